@@ -1,0 +1,3 @@
+from extproc.cli import main
+
+raise SystemExit(main())

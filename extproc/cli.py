@@ -1,0 +1,133 @@
+"""The ``extproc`` command: serve, demo, fake-backend, envoy-config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from extproc import config as config_mod
+from extproc.errors import ConfigError
+
+
+def _load_config(path: str | None) -> config_mod.Config:
+    return config_mod.load(path) if path else config_mod.from_mapping({})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from extproc import logs, server
+
+    logs.setup(args.log_level)
+    config = _load_config(args.config)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        pass
+    asyncio.run(server.serve(config))
+    return 0
+
+
+def _fake_backend(args: argparse.Namespace) -> int:
+    from extproc import fakebackend, logs
+
+    logs.setup(args.log_level)
+    engine = fakebackend.EngineModel(
+        max_running=args.max_running,
+        prefill_ms_per_token=args.prefill_ms_per_token,
+        itl_ms_at_1=args.itl_ms_at_1,
+        itl_ms_per_running=args.itl_ms_per_running,
+        kv_cache_tokens=args.kv_cache_tokens,
+        time_scale=args.time_scale,
+    )
+    try:
+        asyncio.run(fakebackend.serve(args.host, args.port, engine, replicas=args.replicas,
+                                      model_name=args.model, seed=args.seed))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _envoy_config(args: argparse.Namespace) -> int:
+    from extproc import envoyconf
+
+    config = _load_config(args.config)
+    backends = tuple(_host_port(b) for b in args.backend or ["127.0.0.1:8000"])
+    topo = envoyconf.Topology(
+        listen_port=args.port, admin_port=args.admin_port, backends=backends,
+        extproc=_host_port(config.listen), fail_open=not args.fail_closed,
+    )
+    text = envoyconf.render(config, topo)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as out:
+            out.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from extproc import demo
+
+    return demo.main(duration_s=args.duration, rate_x=args.overload, workdir=args.workdir)
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host, int(port)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="extproc", description=__doc__)
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the ext_proc admission server")
+    s.add_argument("--config", help="YAML configuration file (defaults apply without one)")
+    s.set_defaults(func=_serve)
+
+    f = sub.add_parser("fake-backend", help="run a fake OpenAI-compatible inference server")
+    f.add_argument("--host", default="127.0.0.1")
+    f.add_argument("--port", type=int, default=8000)
+    f.add_argument("--replicas", type=int, default=1)
+    f.add_argument("--max-running", type=int, default=16)
+    f.add_argument("--prefill-ms-per-token", type=float, default=0.08)
+    f.add_argument("--itl-ms-at-1", type=float, default=18.6)
+    f.add_argument("--itl-ms-per-running", type=float, default=0.84)
+    f.add_argument("--kv-cache-tokens", type=int, default=0)
+    f.add_argument("--time-scale", type=float, default=1.0)
+    f.add_argument("--model", default="fake-llm")
+    f.add_argument("--seed", type=int, default=0)
+    f.set_defaults(func=_fake_backend)
+
+    e = sub.add_parser("envoy-config", help="render the Envoy bootstrap for these settings")
+    e.add_argument("--config")
+    e.add_argument("--port", type=int, default=10000)
+    e.add_argument("--admin-port", type=int, default=9901)
+    e.add_argument("--backend", action="append", help="HOST:PORT of an inference replica")
+    e.add_argument("--fail-closed", action="store_true")
+    e.add_argument("--output", "-o")
+    e.set_defaults(func=_envoy_config)
+
+    d = sub.add_parser("demo", help="run the local stack and compare shadow vs enforcing")
+    d.add_argument("--duration", type=float, default=40.0, help="seconds of burst per run")
+    d.add_argument("--overload", type=float, default=3.0, help="offered load / capacity")
+    d.add_argument("--workdir", default=".demo")
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,373 @@
+"""Configuration: raw mapping -> defaults -> validation (every problem at once) -> frozen objects.
+
+Nothing here is read at import time. ``load(path)`` reads a YAML file; ``from_mapping(raw)``
+builds from an already-parsed mapping (tests, the demo). Every problem found is reported in
+one ``ConfigError``, each line naming the dotted key, the bound and the bad value. Unknown keys
+are errors too: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from extproc.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class Mode(StrEnum):
+    ENFORCE = "enforce"  # reject what would miss its deadline
+    SHADOW = "shadow"  # decide, record and count, but always continue
+
+
+class Infeasible(StrEnum):
+    """What to do with a request that would miss its deadline even on an idle fleet."""
+
+    PASS = "pass"  # not overload: let it through (retrying could never help)
+    REJECT = "reject"  # refuse with a 400 that says why (never a 429)
+
+
+class Api(StrEnum):
+    OPENAI_CHAT = "openai_chat"
+    OPENAI_COMPLETIONS = "openai_completions"
+    OPENAI_EMBEDDINGS = "openai_embeddings"
+    TGI_GENERATE = "tgi_generate"
+
+
+@dataclass(frozen=True)
+class ClassPolicy:
+    """A service class. ``latency``: interactive, with a time-to-first-token objective;
+    ``throughput``: batch work with a long deadline that may queue deep."""
+
+    name: str
+    deadline_ms: float
+    safety_factor: float
+    ttft_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    api: Api
+    service_class: str
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Replicas serving one model, and the coefficients of their cost model."""
+
+    name: str
+    models: tuple[str, ...] = ("*",)
+    replicas: int = 1
+    max_running: int = 16
+    prefill_ms_per_token: float = 0.08
+    itl_ms_at_1: float = 18.6
+    itl_ms_per_running: float = 0.84
+    default_max_tokens: int = 512
+    tokenizer: str | None = None
+    bytes_per_token: float = 4.0
+    message_overhead_tokens: int = 4
+    non_text_part_tokens: int = 765
+
+    def serves(self, model: str) -> bool:
+        return model in self.models or "*" in self.models
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    kind: str = "memory"
+    lease_grace_ms: float = 30_000.0
+    sweep_interval_ms: float = 1_000.0
+
+
+@dataclass(frozen=True)
+class RetryAfter:
+    min_s: int = 1
+    max_s: int = 60
+    jitter: float = 0.5  # Retry-After is drawn from [t, t * (1 + jitter)]
+
+
+@dataclass(frozen=True)
+class Config:
+    pools: tuple[Pool, ...]
+    classes: Mapping[str, ClassPolicy]
+    routes: tuple[Route, ...]
+    listen: str = "127.0.0.1:50051"
+    metrics_listen: str = "127.0.0.1:9464"
+    mode: Mode = Mode.ENFORCE
+    infeasible: Infeasible = Infeasible.PASS
+    max_body_bytes: int = 8 * 1024 * 1024
+    deadline_header: str = "x-admission-deadline-ms"
+    drain_grace_s: float = 25.0
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    retry_after: RetryAfter = field(default_factory=RetryAfter)
+
+    def route(self, path: str) -> Route | None:
+        """The route for a request path (query string ignored), or None to pass it untouched."""
+        bare = path.split("?", 1)[0]
+        for route in self.routes:
+            if route.path == bare:
+                return route
+        return None
+
+    def pool_for(self, model: str) -> Pool | None:
+        exact = [p for p in self.pools if model in p.models]
+        if exact:
+            return exact[0]
+        return next((p for p in self.pools if "*" in p.models), None)
+
+
+DEFAULT_CLASSES: dict[str, dict[str, Any]] = {
+    "latency": {"deadline_ms": 30_000, "ttft_ms": 2_000, "safety_factor": 0.8},
+    "throughput": {"deadline_ms": 600_000, "safety_factor": 0.9},
+}
+
+DEFAULT_ROUTES: list[dict[str, Any]] = [
+    {"path": "/v1/chat/completions", "api": "openai_chat", "class": "latency"},
+    {"path": "/v1/completions", "api": "openai_completions", "class": "latency"},
+    {"path": "/v1/embeddings", "api": "openai_embeddings", "class": "throughput"},
+    {"path": "/generate", "api": "tgi_generate", "class": "latency"},
+    {"path": "/generate_stream", "api": "tgi_generate", "class": "latency"},
+]
+
+
+class _Reader:
+    """Pulls typed values out of a raw mapping, collecting problems instead of raising."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+
+    def section(self, raw: Any, key: str) -> dict[str, Any]:
+        if raw is None:
+            return {}
+        if not isinstance(raw, Mapping):
+            self.problems.append(f"{key}: must be a mapping, got {type(raw).__name__}")
+            return {}
+        return dict(raw)
+
+    def take(
+        self,
+        raw: dict[str, Any],
+        prefix: str,
+        key: str,
+        kind: Callable[[Any], T],
+        default: T,
+        check: Callable[[T], str | None] | None = None,
+    ) -> T:
+        name = f"{prefix}{key}"
+        if key not in raw:
+            return default
+        value = raw.pop(key)
+        try:
+            typed = _coerce(value, kind)
+        except (TypeError, ValueError) as exc:
+            self.problems.append(f"{name}: {exc} (got {value!r})")
+            return default
+        if check is not None and (why := check(typed)) is not None:
+            self.problems.append(f"{name}: {why} (got {value!r})")
+            return default
+        return typed
+
+    def leftovers(self, raw: Mapping[str, Any], prefix: str) -> None:
+        for key in raw:
+            self.problems.append(f"{prefix}{key}: unknown key")
+
+
+def _coerce(value: Any, kind: Callable[[Any], T]) -> T:
+    if isinstance(value, bool) and kind in (int, float):
+        raise TypeError("must be a number, not a boolean")
+    if kind is int and not isinstance(value, int):
+        raise TypeError("must be an integer")
+    if kind is float and not isinstance(value, int | float):
+        raise TypeError("must be a number")
+    if kind is str and not isinstance(value, str):
+        raise TypeError("must be a string")
+    return kind(value)
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: float) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _fraction(v: float) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def _address(v: str) -> str | None:
+    if v.startswith("unix:"):
+        return None
+    host, sep, port = v.rpartition(":")
+    return None if sep and host and port.isdigit() else "must be HOST:PORT or unix:PATH"
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML configuration file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        raw = yaml.safe_load(text) or {}
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML ({exc})"]) from exc
+    return from_mapping(raw)
+
+
+def from_mapping(raw: Any) -> Config:
+    """Build a validated ``Config``; raise ``ConfigError`` listing every problem."""
+    problems: list[str] = []
+    r = _Reader(problems)
+    top = r.section(raw, "<root>")
+
+    classes = _classes(r, top.pop("classes", None))
+    routes = _routes(r, top.pop("routes", None), classes)
+    pools = _pools(r, top.pop("pools", None))
+
+    led = r.section(top.pop("ledger", None), "ledger")
+    ledger = LedgerConfig(
+        kind=r.take(led, "ledger.", "kind", str, "memory",
+                    lambda v: None if v in ("memory",) else "must be 'memory'"),
+        lease_grace_ms=r.take(led, "ledger.", "lease_grace_ms", float, 30_000.0, _positive),
+        sweep_interval_ms=r.take(led, "ledger.", "sweep_interval_ms", float, 1_000.0, _positive),
+    )
+    r.leftovers(led, "ledger.")
+
+    ra = r.section(top.pop("retry_after", None), "retry_after")
+    retry_after = RetryAfter(
+        min_s=r.take(ra, "retry_after.", "min_s", int, 1,
+                     lambda v: None if v >= 1 else "must be >= 1"),
+        max_s=r.take(ra, "retry_after.", "max_s", int, 60,
+                     lambda v: None if v <= 120 else "must be <= 120 (SDKs give up beyond)"),
+        jitter=r.take(ra, "retry_after.", "jitter", float, 0.5, _non_negative),
+    )
+    r.leftovers(ra, "retry_after.")
+    if retry_after.max_s < retry_after.min_s:
+        problems.append(
+            f"retry_after.max_s: must be >= retry_after.min_s ({retry_after.min_s})"
+            f" (got {retry_after.max_s})"
+        )
+
+    config = Config(
+        pools=pools,
+        classes=classes,
+        routes=routes,
+        listen=r.take(top, "", "listen", str, "127.0.0.1:50051", _address),
+        metrics_listen=r.take(top, "", "metrics_listen", str, "127.0.0.1:9464", _address),
+        mode=r.take(top, "", "mode", _enum(Mode), Mode.ENFORCE),
+        infeasible=r.take(top, "", "infeasible", _enum(Infeasible), Infeasible.PASS),
+        max_body_bytes=r.take(top, "", "max_body_bytes", int, 8 * 1024 * 1024, _positive),
+        deadline_header=r.take(top, "", "deadline_header", str, "x-admission-deadline-ms",
+                               lambda v: None if v and v == v.lower() else "must be lower-case"),
+        drain_grace_s=r.take(top, "", "drain_grace_s", float, 25.0, _non_negative),
+        ledger=ledger,
+        retry_after=retry_after,
+    )
+    r.leftovers(top, "")
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _enum(kind: type[Any]) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        try:
+            return kind(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in kind)
+            raise ValueError(f"must be one of {choices}") from None
+
+    return convert
+
+
+def _classes(r: _Reader, raw: Any) -> dict[str, ClassPolicy]:
+    merged: dict[str, Any] = {k: dict(v) for k, v in DEFAULT_CLASSES.items()}
+    for name, body in r.section(raw, "classes").items():
+        merged[name] = {**merged.get(name, {}), **r.section(body, f"classes.{name}")}
+    out: dict[str, ClassPolicy] = {}
+    for name, body in merged.items():
+        p = f"classes.{name}."
+        deadline = r.take(body, p, "deadline_ms", float, 30_000.0, _positive)
+        ttft = r.take(body, p, "ttft_ms", float, 0.0, _non_negative)
+        out[name] = ClassPolicy(
+            name=name,
+            deadline_ms=deadline,
+            ttft_ms=ttft or None,
+            safety_factor=r.take(body, p, "safety_factor", float, 0.8, _fraction),
+        )
+        r.leftovers(body, p)
+    return out
+
+
+def _routes(r: _Reader, raw: Any, classes: Mapping[str, ClassPolicy]) -> tuple[Route, ...]:
+    items = DEFAULT_ROUTES if raw is None else raw
+    if not isinstance(items, list):
+        r.problems.append(f"routes: must be a list, got {type(items).__name__}")
+        return ()
+    routes: list[Route] = []
+    for i, item in enumerate(items):
+        body = r.section(item, f"routes[{i}]")
+        p = f"routes[{i}]."
+        path = r.take(body, p, "path", str, "",
+                      lambda v: None if v.startswith("/") else "must start with '/'")
+        api = r.take(body, p, "api", _enum(Api), Api.OPENAI_CHAT)
+        cls = r.take(body, p, "class", str, "latency",
+                     lambda v: None if v in classes else f"must be one of {sorted(classes)}")
+        r.leftovers(body, p)
+        if not path:
+            r.problems.append(f"{p}path: required")
+        routes.append(Route(path=path, api=api, service_class=cls))
+    return tuple(routes)
+
+
+def _pools(r: _Reader, raw: Any) -> tuple[Pool, ...]:
+    items = [{"name": "default"}] if raw is None else raw
+    if not isinstance(items, list) or not items:
+        r.problems.append("pools: must be a non-empty list")
+        return ()
+    pools: list[Pool] = []
+    d = Pool(name="")
+    for i, item in enumerate(items):
+        body = r.section(item, f"pools[{i}]")
+        p = f"pools[{i}]."
+        models = body.pop("models", list(d.models))
+        if not (isinstance(models, list) and models and all(isinstance(m, str) for m in models)):
+            r.problems.append(f"{p}models: must be a non-empty list of strings (got {models!r})")
+            models = list(d.models)
+        tokenizer = r.take(body, p, "tokenizer", str, "")
+        if tokenizer and not Path(tokenizer).is_file():
+            r.problems.append(f"{p}tokenizer: no such file (got {tokenizer!r})")
+        pools.append(Pool(
+            name=r.take(body, p, "name", str, f"pool{i}", lambda v: None if v else "required"),
+            models=tuple(models),
+            replicas=r.take(body, p, "replicas", int, d.replicas, _non_negative),
+            max_running=r.take(body, p, "max_running", int, d.max_running, _positive),
+            prefill_ms_per_token=r.take(body, p, "prefill_ms_per_token", float,
+                                        d.prefill_ms_per_token, _non_negative),
+            itl_ms_at_1=r.take(body, p, "itl_ms_at_1", float, d.itl_ms_at_1, _positive),
+            itl_ms_per_running=r.take(body, p, "itl_ms_per_running", float,
+                                      d.itl_ms_per_running, _non_negative),
+            default_max_tokens=r.take(body, p, "default_max_tokens", int,
+                                      d.default_max_tokens, _positive),
+            tokenizer=tokenizer or None,
+            bytes_per_token=r.take(body, p, "bytes_per_token", float, d.bytes_per_token,
+                                   _positive),
+            message_overhead_tokens=r.take(body, p, "message_overhead_tokens", int,
+                                           d.message_overhead_tokens, _non_negative),
+            non_text_part_tokens=r.take(body, p, "non_text_part_tokens", int,
+                                        d.non_text_part_tokens, _non_negative),
+        ))
+        r.leftovers(body, p)
+    names = [p.name for p in pools]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        r.problems.append(f"pools: duplicate name {dup!r}")
+    return tuple(pools)

@@ -1,0 +1,410 @@
+"""A fake OpenAI-compatible inference server whose timing follows continuous batching.
+
+It stands in for vLLM in tests, the demo and benchmarks. Each replica is one ``Engine``: a FIFO
+waiting queue and a scheduler loop that runs in steps. One step:
+
+1. admits waiting sequences, oldest first, while ``running < max_running`` and the KV budget
+   allows (a sequence that does not fit blocks those behind it, as in vLLM);
+2. lasts ``step_ms = prefill_ms_per_token * (prompt tokens admitted) + itl(b)`` times
+   ``time_scale``, where ``b`` is the running count and
+   ``itl(b) = itl_ms_at_1 + itl_ms_per_running * (b - 1)``;
+3. then emits one token to every running sequence; a sequence leaves with its last token.
+
+So a lone request of ``P`` prompt and ``N`` output tokens takes ``P * prefill + N * itl(1)``, and
+a request behind a full batch waits for the first of that batch to finish. Steps sleep to an
+absolute deadline, so timer granularity (~1 ms) does not add up at small ``time_scale``.
+
+KV budget (``kv_cache_tokens``, 0 = unlimited): ``sum(prompt + generated)`` of running sequences
+stays under it because admission reserves ``prompt + output`` up front; nothing is preempted,
+and a request that could never fit gets a 400. A request whose client goes away leaves waiting or
+running at once, freeing its slot as vLLM's abort does; serve the app with
+``handler_cancellation=True`` (``serve`` and aiohttp's ``TestServer`` do) so a disconnect is seen
+before anything is written. With ``replicas > 1`` a request joins the replica with the fewest
+running + waiting. ``/metrics`` uses vLLM's names summed over replicas; latency histograms count
+completed requests only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+from extproc.errors import BadRequest
+
+TOKEN_TEXT = " tok"
+DEFAULT_MAX_TOKENS = 256
+LENGTH_MU, LENGTH_SIGMA = 5.02, 0.86  # log-normal output lengths, Azure conversation trace fit
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """Timing of one replica; the defaults are Llama-3.3-70B FP8 on 2xH100."""
+
+    max_running: int = 16
+    prefill_ms_per_token: float = 0.08
+    itl_ms_at_1: float = 18.6
+    itl_ms_per_running: float = 0.84
+    kv_cache_tokens: int = 0
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.max_running < 1:
+            errors.append(f"max_running must be >= 1, got {self.max_running}")
+        for name in ("prefill_ms_per_token", "itl_ms_at_1", "itl_ms_per_running",
+                     "kv_cache_tokens", "time_scale"):
+            if getattr(self, name) < 0:
+                errors.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def itl_ms(self, running: int) -> float:
+        """Inter-token latency: ``itl(b) = itl_ms_at_1 + itl_ms_per_running * (b - 1)``."""
+        return self.itl_ms_at_1 + self.itl_ms_per_running * (running - 1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside an engine; times are ``loop.time()`` seconds."""
+
+    prompt_tokens: int
+    output_tokens: int
+    arrived: float
+    generated: int = 0
+    admitted: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
+    tokens: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # index of each new token
+
+    @property
+    def footprint(self) -> int:
+        """KV tokens the sequence holds when done: ``prompt + output``."""
+        return self.prompt_tokens + self.output_tokens
+
+
+class Engine:
+    """One replica's continuous-batching scheduler (see the module docstring)."""
+
+    def __init__(self, model: EngineModel) -> None:
+        self.model = model
+        self.waiting: dict[Sequence, None] = {}  # an ordered set: FIFO with O(1) removal
+        self.running: dict[Sequence, None] = {}
+        self._wake = asyncio.Event()
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def kv_used(self) -> int:
+        """Tokens in the KV cache: ``sum(prompt + generated)`` over running sequences."""
+        return sum(s.prompt_tokens + s.generated for s in self.running)
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue ``seq``; BadRequest if it could never fit the KV budget."""
+        budget = self.model.kv_cache_tokens
+        if budget and seq.footprint > budget:
+            raise BadRequest(f"prompt + output ({seq.footprint} tokens) exceed the KV cache "
+                             f"({budget} tokens)")
+        self.waiting[seq] = None
+        self._wake.set()
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is; a no-op once it has finished."""
+        self.waiting.pop(seq, None)
+        self.running.pop(seq, None)
+
+    def _admit(self, now: float) -> int:
+        """Move waiting sequences into the batch, FIFO; return the prompt tokens to prefill."""
+        budget, prefill = self.model.kv_cache_tokens, 0
+        reserved = sum(s.footprint for s in self.running)
+        while self.waiting and len(self.running) < self.model.max_running:
+            seq = next(iter(self.waiting))
+            if budget and reserved + seq.footprint > budget:
+                break
+            del self.waiting[seq]
+            self.running[seq] = None
+            seq.admitted = now
+            reserved += seq.footprint
+            prefill += seq.prompt_tokens
+        return prefill
+
+    async def run(self) -> None:
+        """The scheduler loop; it waits on an event while there is no work."""
+        loop, model = asyncio.get_running_loop(), self.model
+        deadline = loop.time()
+        while True:
+            if not self.load:
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = loop.time()
+            prefill = self._admit(loop.time())
+            if not self.running:
+                continue  # everything admitted was aborted during the last step
+            step_ms = prefill * model.prefill_ms_per_token + model.itl_ms(len(self.running))
+            deadline += step_ms * model.time_scale / 1000
+            await asyncio.sleep(deadline - loop.time())
+            now = loop.time()
+            for seq in list(self.running):
+                if seq.generated == 0:
+                    seq.first_token = now
+                seq.tokens.put_nowait(seq.generated)
+                seq.generated += 1
+                if seq.generated == seq.output_tokens:
+                    seq.finished = now
+                    del self.running[seq]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a completion request asks for."""
+
+    chat: bool
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int | None  # the extproc_output_tokens extension; None: draw one
+    stream: bool
+    include_usage: bool
+
+
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is not None and (type(value) is not int or value < 1):
+        raise BadRequest(f"{key} must be a positive integer", param=key)
+    return value
+
+
+def _prompt_text(body: dict[str, Any], chat: bool) -> str:
+    """The prompt's text; ``prompt_tokens = max(1, utf8_bytes // 4)``."""
+    if not chat:
+        if not isinstance(prompt := body.get("prompt"), str):
+            raise BadRequest("prompt must be a string", param="prompt")
+        return prompt
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", param="messages")
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise BadRequest("each message must be an object", param="messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts += [p["text"] for p in content if isinstance(p, dict) and "text" in p]
+    return "".join(map(str, parts))
+
+
+def _parse_call(body: object, chat: bool) -> _Call:
+    """Validate a request body; raises BadRequest naming the bad field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    limit = _positive_int(body, "max_completion_tokens") if chat else None
+    options = body.get("stream_options")
+    return _Call(
+        chat=chat,
+        prompt_tokens=max(1, len(_prompt_text(body, chat).encode()) // 4),
+        max_tokens=limit or _positive_int(body, "max_tokens") or DEFAULT_MAX_TOKENS,
+        output_tokens=_positive_int(body, "extproc_output_tokens"),
+        stream=body.get("stream") is True,
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+    )
+
+
+async def _read_json(request: web.Request) -> object:
+    try:
+        return await request.json()
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise BadRequest("the body is not valid JSON") from exc
+
+
+def _error(exc: BadRequest) -> web.Response:
+    error = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+    return web.json_response({"error": error}, status=exc.status)
+
+
+def _choice(call: _Call, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+    """One ``choices[0]`` entry: a full message, a stream delta, or completion text."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    if call.chat and not call.stream:
+        choice["message"] = {"role": "assistant", "content": text}
+    elif call.chat:
+        choice["delta"] = {"role": "assistant"} if first else {}
+        if text:
+            choice["delta"]["content"] = text
+    else:
+        choice["text"] = text
+    return choice
+
+
+def _sse(payload: object) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+class _Backend:
+    """The app's state (engines, metrics, health) and its request handlers."""
+
+    def __init__(self, model: EngineModel, replicas: int, model_name: str, seed: int) -> None:
+        self.engines = [Engine(model) for _ in range(replicas)]
+        self.model_name, self.healthy, self.rng = model_name, True, random.Random(seed)
+        self.registry = CollectorRegistry()
+        self.kv_capacity = model.kv_cache_tokens * replicas
+        labels, reg = ["model_name"], self.registry
+
+        def gauge(name: str, doc: str, value: Callable[[], float]) -> None:
+            Gauge(name, doc, labels, registry=reg).labels(model_name).set_function(value)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        gauge("vllm:num_requests_running", "Sequences in the batch.",
+              lambda: sum(len(e.running) for e in self.engines))
+        gauge("vllm:num_requests_waiting", "Sequences queued.",
+              lambda: sum(len(e.waiting) for e in self.engines))
+        gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (0 when unlimited).",
+              self.kv_usage)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.",
+                              TTFT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.",
+                             LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to admission.",
+                               LATENCY_BUCKETS)
+        self.success = Counter("vllm:request_success", "Completed requests.",
+                               [*labels, "finished_reason"], registry=reg)
+
+    def kv_usage(self) -> float:
+        """``sum(kv_used) / (kv_cache_tokens * replicas)``; 0 when the cache is unlimited."""
+        used = sum(e.kv_used() for e in self.engines)
+        return used / self.kv_capacity if self.kv_capacity else 0.0
+
+    async def run_engines(self, app: web.Application) -> AsyncIterator[None]:
+        """``cleanup_ctx`` hook: one scheduler task per replica for the app's lifetime."""
+        tasks = [asyncio.create_task(e.run()) for e in self.engines]
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions and /v1/completions."""
+        try:
+            chat = request.path.endswith("/chat/completions")
+            call = _parse_call(await _read_json(request), chat)
+            wanted = call.output_tokens or round(self.rng.lognormvariate(LENGTH_MU, LENGTH_SIGMA))
+            loop_time = asyncio.get_running_loop().time()
+            seq = Sequence(call.prompt_tokens, max(1, min(wanted, call.max_tokens)), loop_time)
+            engine = min(self.engines, key=lambda e: e.load)
+            engine.submit(seq)
+        except BadRequest as exc:
+            return _error(exc)
+        reason = "length" if seq.output_tokens == call.max_tokens else "stop"
+        try:
+            if call.stream:
+                response = await self._stream(request, call, seq, reason)
+            else:
+                response = await self._whole(call, seq, reason)
+        finally:
+            engine.abort(seq)  # frees the slot if the client went away
+        self.queue.observe(seq.admitted - seq.arrived)
+        self.ttft.observe(seq.first_token - seq.arrived)
+        self.e2e.observe(seq.finished - seq.arrived)
+        self.success.labels(self.model_name, reason).inc()
+        return response
+
+    def _head(self, call: _Call) -> dict[str, Any]:
+        kind = ("text_completion" if not call.chat
+                else "chat.completion.chunk" if call.stream else "chat.completion")
+        return {"id": f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+                "created": int(time.time()), "model": self.model_name}
+
+    @staticmethod
+    def _usage(seq: Sequence) -> dict[str, int]:
+        return {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.output_tokens,
+                "total_tokens": seq.prompt_tokens + seq.output_tokens}
+
+    async def _whole(self, call: _Call, seq: Sequence, reason: str) -> web.StreamResponse:
+        """The non-streaming answer, once the last token is out."""
+        for _ in range(seq.output_tokens):
+            await seq.tokens.get()
+        choice = _choice(call, TOKEN_TEXT * seq.output_tokens, reason, first=True)
+        answer = self._head(call) | {"choices": [choice], "usage": self._usage(seq)}
+        return web.json_response(answer)
+
+    async def _stream(self, request: web.Request, call: _Call, seq: Sequence,
+                      reason: str) -> web.StreamResponse:
+        """Server-Sent Events: a chunk per token, a finish_reason chunk, [usage], ``[DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        head = self._head(call)
+        for _ in range(seq.output_tokens):
+            first = await seq.tokens.get() == 0
+            await response.write(_sse(head | {"choices": [_choice(call, TOKEN_TEXT, None, first)]}))
+        await response.write(_sse(head | {"choices": [_choice(call, "", reason, first=False)]}))
+        if call.include_usage:
+            await response.write(_sse(head | {"choices": [], "usage": self._usage(seq)}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def health(self, request: web.Request) -> web.Response:
+        """GET /health: 200 while healthy, else 503."""
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def set_health(self, request: web.Request) -> web.Response:
+        """POST /admin/health ``{"healthy": bool}``."""
+        try:
+            body = await _read_json(request)
+            if not isinstance(body, dict) or not isinstance(body.get("healthy"), bool):
+                raise BadRequest('the body must be {"healthy": true|false}', param="healthy")
+        except BadRequest as exc:
+            return _error(exc)
+        self.healthy = body["healthy"]
+        return web.json_response({"healthy": self.healthy})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """GET /metrics in the Prometheus text format."""
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(model: EngineModel, *, replicas: int = 1, model_name: str = "fake-llm",
+              seed: int = 0) -> web.Application:
+    """The fake server as an aiohttp app; its ``replicas`` engines share one port and registry."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    backend = _Backend(model, replicas, model_name, seed)
+    app = web.Application()
+    app.cleanup_ctx.append(backend.run_engines)
+    app.add_routes([
+        web.post("/v1/chat/completions", backend.completion),
+        web.post("/v1/completions", backend.completion),
+        web.get("/health", backend.health),
+        web.post("/admin/health", backend.set_health),
+        web.get("/metrics", backend.metrics),
+    ])
+    return app
+
+
+async def serve(host: str, port: int, model: EngineModel, *, replicas: int = 1,
+                model_name: str = "fake-llm", seed: int = 0) -> None:
+    """Serve the fake backend on ``host:port`` until cancelled."""
+    app = build_app(model, replicas=replicas, model_name=model_name, seed=seed)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,49 @@
+"""The in-flight ledger: what admitted requests still owe the GPUs, per pool.
+
+Contract (every implementation passes the same tests, ``tests/test_ledger_contract.py``):
+
+- ``reserve(entry, ceiling_ms)`` records an admitted request, atomically refusing it when the
+  pool's outstanding work plus ``entry.cost_ms`` would exceed ``ceiling_ms`` (``None``: no
+  check). The request id is the key: reserving an id already present changes nothing and
+  returns True, so a retried reserve never counts twice.
+- ``release(request_id, pool)`` removes it exactly once: True the first time, False for a
+  double, late or unknown release, which never touch another entry.
+- ``renew(request_id, pool, lease_ms)`` extends the lease of a live entry.
+- ``expire()`` drops entries whose lease ended (their gateway died or lost the stream); a
+  backstop, never the normal path.
+- ``snapshot(pool)`` is the decision's input: in-flight count and outstanding work.
+
+Leases are measured by the ledger's own clock, never the caller's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from extproc.admission import Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    request_id: str
+    pool: str
+    cost_ms: float  # the request's estimated service time, its share of outstanding work
+    lease_ms: float  # how long the entry lives without a renewal or release
+
+
+class Ledger(Protocol):
+    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool: ...
+
+    async def release(self, request_id: str, pool: str) -> bool: ...
+
+    async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool: ...
+
+    async def expire(self) -> int: ...
+
+    async def snapshot(self, pool: str) -> Snapshot: ...
+
+    async def close(self) -> None: ...
+
+
+__all__ = ["Entry", "Ledger", "Snapshot"]

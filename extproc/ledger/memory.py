@@ -1,0 +1,89 @@
+"""The in-process ledger: the default, exact for a single gateway replica.
+
+Per pool it keeps a dict of live entries plus running totals, so ``snapshot`` is O(1) and
+``reserve``/``release`` are O(1). Lease ends sit in a min-heap with lazy deletion (a renewal
+pushes a new end; stale heap items are skipped), so ``expire`` costs O(log n) per entry it
+looks at and never scans the whole ledger.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from extproc.admission import Snapshot
+from extproc.ledger import Entry
+
+
+@dataclass
+class _Pool:
+    entries: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (cost, lease end)
+    outstanding_ms: float = 0.0
+    leases: list[tuple[float, str]] = field(default_factory=list)
+
+
+class MemoryLedger:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._pools: dict[str, _Pool] = {}
+
+    def _pool(self, name: str) -> _Pool:
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = _Pool()
+        return pool
+
+    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
+        pool = self._pool(entry.pool)
+        if entry.request_id in pool.entries:
+            return True
+        if ceiling_ms is not None and pool.outstanding_ms + entry.cost_ms > ceiling_ms:
+            return False
+        end = self._clock() + entry.lease_ms / 1000.0
+        pool.entries[entry.request_id] = (entry.cost_ms, end)
+        pool.outstanding_ms += entry.cost_ms
+        heapq.heappush(pool.leases, (end, entry.request_id))
+        return True
+
+    async def release(self, request_id: str, pool: str) -> bool:
+        p = self._pools.get(pool)
+        if p is None or request_id not in p.entries:
+            return False
+        cost, _ = p.entries.pop(request_id)
+        p.outstanding_ms = max(0.0, p.outstanding_ms - cost) if p.entries else 0.0
+        return True
+
+    async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
+        p = self._pools.get(pool)
+        if p is None or request_id not in p.entries:
+            return False
+        cost, _ = p.entries[request_id]
+        end = self._clock() + lease_ms / 1000.0
+        p.entries[request_id] = (cost, end)
+        heapq.heappush(p.leases, (end, request_id))
+        return True
+
+    async def expire(self) -> int:
+        now = self._clock()
+        dropped = 0
+        for name, p in self._pools.items():
+            while p.leases and p.leases[0][0] <= now:
+                end, request_id = heapq.heappop(p.leases)
+                live = p.entries.get(request_id)
+                if live is not None and live[1] == end:
+                    await self.release(request_id, name)
+                    dropped += 1
+            if not p.entries:
+                p.leases.clear()
+        return dropped
+
+    async def snapshot(self, pool: str) -> Snapshot:
+        p = self._pools.get(pool)
+        if p is None:
+            return Snapshot(inflight=0, outstanding_ms=0.0)
+        return Snapshot(inflight=len(p.entries), outstanding_ms=p.outstanding_ms)
+
+    async def close(self) -> None:
+        self._pools.clear()

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the admission service, on a registry of its own.
+
+Labels stay low-cardinality: pool and class names come from configuration, outcome and reason
+from closed enums, mode is enforce or shadow. Nothing derived from a request's content is ever
+a label.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from extproc.config import Mode
+
+if TYPE_CHECKING:
+    from extproc.gate import Verdict
+
+_WAIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series only double the scrape size
+        self.registry = CollectorRegistry()
+        self.decisions = Counter(
+            "extproc_admission_decisions", "Admission decisions.",
+            ["pool", "class", "outcome", "reason", "mode"], registry=self.registry)
+        self.inflight_requests = Gauge(
+            "extproc_inflight_requests", "Requests recorded in the ledger by this process.",
+            ["pool"], registry=self.registry)
+        self.predicted_wait = Histogram(
+            "extproc_predicted_wait_seconds", "Predicted queue wait at decision time.",
+            ["pool", "class"], buckets=_WAIT_BUCKETS, registry=self.registry)
+        self.decision_seconds = Histogram(
+            "extproc_decision_duration_seconds",
+            "Time from a complete request to a verdict (parse, tokenize, ledger, decide).",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.outstanding = Gauge(
+            "extproc_outstanding_work_seconds",
+            "Estimated GPU work owed to in-flight requests, per pool, at the last decision.",
+            ["pool"], registry=self.registry)
+
+    def observe(self, verdict: Verdict, mode: Mode, seconds: float) -> None:
+        pool = verdict.pool or ""
+        cls = verdict.service_class or ""
+        self.decisions.labels(pool, cls, verdict.outcome.value, verdict.reason.value,
+                              mode.value).inc()
+        self.decision_seconds.observe(seconds)
+        if verdict.decision is not None:
+            self.predicted_wait.labels(pool, cls).observe(verdict.decision.wait_ms / 1000.0)
+
+    def inflight(self, pool: str, delta: int) -> None:
+        self.inflight_requests.labels(pool).inc(delta)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,260 @@
+"""Turn an HTTP request body into the few facts admission needs.
+
+Supported shapes (``Api``):
+- OpenAI ``/v1/chat/completions``: ``messages`` with string content or content-part arrays
+  (text parts are counted; image/audio/file parts are charged a flat cost per part),
+  ``tools`` definitions, ``max_completion_tokens`` or ``max_tokens``, ``n``, ``stream``.
+- OpenAI ``/v1/completions``: ``prompt`` as a string, a list of strings, a token-id list or a
+  list of token-id lists (each prompt yields its own completion), ``max_tokens``, ``n``.
+- OpenAI ``/v1/embeddings``: ``input`` in the same forms; prefill only.
+- TGI ``/generate`` and ``/generate_stream``: ``inputs`` and ``parameters.max_new_tokens``.
+
+Anything unusable raises ``BadRequest`` with a message that names the field and never quotes
+the prompt. Ambiguous JSON is refused rather than guessed at: duplicate keys (the inference
+server might read the other copy than we costed), NaN/Infinity, numbers too long to convert,
+nesting too deep to parse, invalid UTF-8 and lone surrogates.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.config import Api
+from extproc.errors import BadRequest
+
+MAX_PROMPTS = 4096  # list prompts / embedding inputs per request
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """What a request asks of the GPU. ``texts`` holds prompt text: never log or export it."""
+
+    model: str
+    texts: tuple[str, ...] = field(repr=False)
+    token_ids: int = 0  # prompt tokens given directly as ids
+    messages: int = 0  # chat messages (each costs a template overhead)
+    non_text_parts: int = 0  # images, audio, files: charged a flat cost each
+    max_tokens: int | None = None  # None: the pool's default applies
+    choices: int = 1  # completions generated per request (n x prompts)
+    stream: bool = False
+    prefill_only: bool = False
+
+
+def parse(api: Api, body: bytes, *, path: str = "") -> InferenceRequest:
+    doc = _load(body)
+    if not isinstance(doc, dict):
+        raise BadRequest("request body must be a JSON object")
+    if api is Api.OPENAI_CHAT:
+        return _chat(doc)
+    if api is Api.OPENAI_COMPLETIONS:
+        return _completions(doc)
+    if api is Api.OPENAI_EMBEDDINGS:
+        return _embeddings(doc)
+    return _tgi(doc, stream=path.split("?", 1)[0].endswith("_stream"))
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"{name} is not valid JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise BadRequest(f"duplicate key {dup[:64]!r} in JSON object")
+    return doc
+
+
+def _load(body: bytes) -> Any:
+    if not body:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("request body is not valid UTF-8") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc.msg} at offset {exc.pos}",
+                         code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except ValueError:  # int too long to convert (int_max_str_digits)
+        raise BadRequest("request body has a number too long to parse") from None
+
+
+def _text(value: str, param: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"'{param}' contains an invalid (lone surrogate) character",
+                         param=param) from None
+    return value
+
+
+def _model(doc: dict[str, Any]) -> str:
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    return model
+
+
+def _positive_int(doc: dict[str, Any], key: str) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{key}' must be an integer", param=key)
+    if value <= 0:
+        raise BadRequest(f"'{key}' must be greater than 0", param=key)
+    return value
+
+
+def _bool(doc: dict[str, Any], key: str) -> bool:
+    value = doc.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be a boolean", param=key)
+    return value
+
+
+def _chat(doc: dict[str, Any]) -> InferenceRequest:
+    model = _model(doc)
+    messages = doc.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    texts: list[str] = []
+    non_text = 0
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequest(f"'{param}' must be an object", param=param)
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"'{param}.role' must be a string", param=f"{param}.role")
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(_text(content, f"{param}.content"))
+        elif isinstance(content, list):
+            non_text += _parts(content, f"{param}.content", texts)
+        elif content is not None:
+            raise BadRequest(f"'{param}.content' must be a string or an array of parts",
+                             param=f"{param}.content")
+        for call in _list(message.get("tool_calls"), f"{param}.tool_calls"):
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                texts.append(_text(arguments, f"{param}.tool_calls"))
+    tools = doc.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise BadRequest("'tools' must be an array", param="tools")
+        texts.append(json.dumps(tools, ensure_ascii=False))
+    max_tokens = _positive_int(doc, "max_completion_tokens") or _positive_int(doc, "max_tokens")
+    return InferenceRequest(
+        model=model,
+        texts=tuple(texts),
+        messages=len(messages),
+        non_text_parts=non_text,
+        max_tokens=max_tokens,
+        choices=_positive_int(doc, "n") or 1,
+        stream=_bool(doc, "stream"),
+    )
+
+
+def _list(value: Any, param: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise BadRequest(f"'{param}' must be an array", param=param)
+    return value
+
+
+def _parts(parts: list[Any], param: str, texts: list[str]) -> int:
+    """Append text parts to ``texts``; return how many non-text parts there were."""
+    non_text = 0
+    for j, part in enumerate(parts):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise BadRequest(f"'{where}' must be an object with a string 'type'", param=where)
+        if part["type"] == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise BadRequest(f"'{where}.text' must be a string", param=f"{where}.text")
+            texts.append(_text(text, f"{where}.text"))
+        else:
+            non_text += 1
+    return non_text
+
+
+def _prompts(value: Any, param: str) -> tuple[list[str], int, int]:
+    """Prompts as (texts, token-id count, number of prompts) from the four OpenAI forms."""
+    if isinstance(value, str):
+        return [_text(value, param)], 0, 1
+    if not isinstance(value, list) or not value:
+        raise BadRequest(f"'{param}' must be a string or a non-empty array", param=param)
+    if len(value) > MAX_PROMPTS:
+        raise BadRequest(f"'{param}' has more than {MAX_PROMPTS} items", param=param)
+    if all(isinstance(v, str) for v in value):
+        return [_text(v, param) for v in value], 0, len(value)
+    if all(_is_token_id(v) for v in value):
+        return [], len(value), 1
+    if all(isinstance(v, list) and v and all(_is_token_id(t) for t in v) for v in value):
+        return [], sum(len(v) for v in value), len(value)
+    raise BadRequest(
+        f"'{param}' must be a string, an array of strings, an array of token ids, or an"
+        " array of token-id arrays",
+        param=param,
+    )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _completions(doc: dict[str, Any]) -> InferenceRequest:
+    model = _model(doc)
+    if "prompt" not in doc:
+        raise BadRequest("'prompt' is required", param="prompt")
+    texts, ids, prompts = _prompts(doc["prompt"], "prompt")
+    return InferenceRequest(
+        model=model,
+        texts=tuple(texts),
+        token_ids=ids,
+        max_tokens=_positive_int(doc, "max_tokens"),
+        choices=prompts * (_positive_int(doc, "n") or 1),
+        stream=_bool(doc, "stream"),
+    )
+
+
+def _embeddings(doc: dict[str, Any]) -> InferenceRequest:
+    model = _model(doc)
+    if "input" not in doc:
+        raise BadRequest("'input' is required", param="input")
+    texts, ids, _ = _prompts(doc["input"], "input")
+    return InferenceRequest(
+        model=model, texts=tuple(texts), token_ids=ids, choices=0, prefill_only=True
+    )
+
+
+def _tgi(doc: dict[str, Any], *, stream: bool) -> InferenceRequest:
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, str):
+        raise BadRequest("'inputs' is required and must be a string", param="inputs")
+    params = doc.get("parameters")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise BadRequest("'parameters' must be an object", param="parameters")
+    model = doc.get("model", "")
+    if not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    return InferenceRequest(
+        model=model,
+        texts=(_text(inputs, "inputs"),),
+        max_tokens=_positive_int(params, "max_new_tokens"),
+        stream=stream or _bool(doc, "stream"),
+    )

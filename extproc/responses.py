@@ -1,0 +1,82 @@
+"""The one place where verdicts become Envoy answers.
+
+- continue: an empty ``CommonResponse`` for the phase that carried the decision;
+- 429 (overload): ``Retry-After`` in whole seconds, at least ``min_s``, from when the request
+  would fit, stretched by a random factor in [1, 1 + jitter] so that rejected clients do not
+  return together, capped at ``max_s`` (the OpenAI SDK ignores hints above 120 s);
+- 4xx (the request itself is unusable): ``x-should-retry: false``, since retrying cannot help.
+
+Every answer we make ourselves has an OpenAI-style JSON error body and an
+``x-admission-reason`` header. Bodies never quote the request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+
+from extproc.admission import Reason
+from extproc.config import RetryAfter
+from extproc.errors import RequestError
+
+REASON_HEADER = "x-admission-reason"
+
+_OVERLOAD_MESSAGES = {
+    Reason.DEADLINE: "The model is at capacity: this request would not finish within its"
+    " deadline.",
+    Reason.TTFT: "The model is at capacity: this request would not start within its"
+    " time-to-first-token objective.",
+    Reason.NO_CAPACITY: "The model has no ready replicas.",
+    Reason.LEDGER_UNAVAILABLE: "Admission control is unavailable.",
+}
+
+
+def retry_after_s(retry_after_ms: float | None, rules: RetryAfter, rng: random.Random) -> int:
+    base = (retry_after_ms or 0.0) / 1000.0
+    stretched = base * (1.0 + rng.random() * rules.jitter)
+    return max(rules.min_s, min(rules.max_s, math.ceil(stretched)))
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    ).encode()
+
+
+def continue_headers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+def continue_body() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def overloaded(reason: Reason, retry_s: int) -> pb.ProcessingResponse:
+    message = _OVERLOAD_MESSAGES.get(reason, "The model is at capacity.")
+    body = error_body(f"{message} Retry after {retry_s} seconds.", "overloaded_error", reason.value)
+    return _immediate(429, body, {"retry-after": str(retry_s), REASON_HEADER: reason.value,
+                                  "x-should-retry": "true"})
+
+
+def refused(error: RequestError, reason: Reason) -> pb.ProcessingResponse:
+    body = error_body(error.message, error.type, error.code or reason.value, error.param)
+    return _immediate(error.status, body, {REASON_HEADER: reason.value, "x-should-retry": "false"})
+
+
+def _immediate(status: int, body: bytes, headers: dict[str, str]) -> pb.ProcessingResponse:
+    headers = {"content-type": "application/json", **headers}
+    mutation = pb.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+        for k, v in headers.items()
+    ])
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=mutation,
+        body=body,
+        details=f"extproc_{headers.get(REASON_HEADER, 'refused')}",
+    ))

@@ -1,0 +1,241 @@
+"""The gRPC adapter: Envoy's ext_proc stream in, ``Gate`` calls, Envoy answers out.
+
+Envoy opens one stream per HTTP request and (with every response phase skipped) keeps it open
+until the request has finished, so the stream's end is the request's end: the ledger entry is
+released in ``finally`` whether the stream ends cleanly, is cancelled (client gone) or fails.
+
+Phases: request headers are always sent. A path not configured for admission is answered with
+a mode override that skips its body (it passes untouched). For admission paths the body comes
+BUFFERED_PARTIAL: Envoy buffers up to its limit (set just above ``max_body_bytes``) and sends
+what it has; a body that did not end within the limit, or a ``content-length`` over the cap,
+gets our 413 JSON instead of Envoy's plain-text error.
+
+Drain (SIGTERM): health turns NOT_SERVING at once; new streams are still served (Envoy in the
+same pod is draining too, and refusing them would turn into 5xx), until no stream has been
+open for a second or ``drain_grace_s`` has passed; then the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+from aiohttp import web
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from extproc import responses
+from extproc.capacity import StaticCapacity
+from extproc.config import Config
+from extproc.errors import BodyTooLarge
+from extproc.gate import Gate, Ticket, Verdict
+from extproc.ledger.memory import MemoryLedger
+from extproc.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+_SKIP_BODY = processing_mode_pb2.ProcessingMode(
+    request_body_mode=processing_mode_pb2.ProcessingMode.NONE)
+
+
+def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy sends header values as raw bytes; names arrive lower-cased."""
+    return {h.key: h.raw_value.decode("latin-1") if h.raw_value else h.value
+            for h in headers.headers.headers}
+
+
+class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, gate: Gate, rng: random.Random | None = None) -> None:
+        self.gate = gate
+        self.config = gate.config
+        self.rng = rng or random.Random()
+        self.open_streams = 0
+
+    async def Process(
+        self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        self.open_streams += 1
+        ticket: Ticket | None = None
+        try:
+            headers: Mapping[str, str] = {}
+            async for message in requests:
+                phase = message.WhichOneof("request")
+                if phase == "request_headers":
+                    headers = header_map(message.request_headers)
+                    answer, verdict = await self._on_headers(message.request_headers, headers)
+                elif phase == "request_body":
+                    answer, verdict = await self._on_body(message.request_body, headers)
+                else:
+                    answer, verdict = _continue(phase), None
+                if verdict is not None:
+                    ticket = verdict.ticket
+                yield answer
+                if answer.HasField("immediate_response"):
+                    return
+        finally:
+            self.open_streams -= 1
+            if ticket is not None:
+                await self.gate.settle(ticket)
+
+    async def _on_headers(
+        self, message: pb.HttpHeaders, headers: Mapping[str, str]
+    ) -> tuple[pb.ProcessingResponse, Verdict | None]:
+        route = self.config.route(headers.get(":path", ""))
+        if route is None or headers.get(":method", "POST") != "POST":
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                         mode_override=_SKIP_BODY), None
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.config.max_body_bytes:
+            return self._answer(self._too_large(route.service_class))
+        if message.end_of_stream:  # a POST without a body: decide now (it is a 400)
+            return self._answer(await self.gate.check(route, headers[":path"], headers, b""))
+        return responses.continue_headers(), None
+
+    async def _on_body(
+        self, message: pb.HttpBody, headers: Mapping[str, str]
+    ) -> tuple[pb.ProcessingResponse, Verdict | None]:
+        path = headers.get(":path", "")
+        route = self.config.route(path)
+        if route is None:
+            return responses.continue_body(), None
+        if not message.end_of_stream or len(message.body) > self.config.max_body_bytes:
+            return self._answer(self._too_large(route.service_class))
+        return self._answer(await self.gate.check(route, path, headers, message.body))
+
+    def _too_large(self, service_class: str) -> Verdict:
+        error = BodyTooLarge(f"request body exceeds the limit of {self.config.max_body_bytes}"
+                             " bytes", code="request_too_large")
+        return self.gate.refuse(error, service_class)
+
+    def _answer(self, verdict: Verdict) -> tuple[pb.ProcessingResponse, Verdict]:
+        if not verdict.blocks:
+            return responses.continue_body(), verdict
+        if verdict.error is not None:
+            return responses.refused(verdict.error, verdict.reason), verdict
+        retry_ms = verdict.decision.retry_after_ms if verdict.decision else None
+        retry_s = responses.retry_after_s(retry_ms, self.config.retry_after, self.rng)
+        return responses.overloaded(verdict.reason, retry_s), verdict
+
+
+def _continue(phase: str | None) -> pb.ProcessingResponse:
+    """Answer a phase we did not ask for, so a misconfigured Envoy never hangs a request."""
+    if phase == "response_headers":
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    if phase == "response_body":
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+    if phase == "request_trailers":
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+class Service:
+    """The running process: gRPC server, health, metrics endpoint, lease sweeper, drain."""
+
+    def __init__(self, config: Config, gate: Gate | None = None) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.gate = gate or Gate(config, MemoryLedger(), StaticCapacity(config.pools),
+                                 self.metrics)
+        self.processor = Processor(self.gate)
+        self.health = health.aio.HealthServicer()
+        # The whole body arrives in one message: allow the body cap plus framing headroom.
+        limit = config.max_body_bytes + 1024 * 1024
+        self.server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", limit),
+        ])
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        self.grpc_port = self.server.add_insecure_port(self.config.listen)
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        host, _, port = self.config.metrics_listen.rpartition(":")
+        site = web.TCPSite(self._runner, host, int(port))
+        await site.start()
+        self.metrics_port = self._runner.addresses[0][1]
+        self._tasks.append(asyncio.create_task(self._sweep()))
+        log.info("serving", extra={"grpc": self.grpc_port, "metrics": self.metrics_port,
+                                   "mode": self.config.mode.value})
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type": "version=0.0.4"})
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.ledger.sweep_interval_ms / 1000.0)
+            try:
+                if dropped := await self.gate.sweep():
+                    log.warning("expired %d ledger entries whose lease ended", dropped)
+            except Exception:
+                log.exception("lease sweep failed")
+
+    async def drain(self) -> None:
+        """Turn NOT_SERVING, keep serving while streams are open (up to the grace), stop."""
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_grace_s
+        idle_since: float | None = None
+        while loop.time() < deadline:
+            if self.processor.open_streams == 0:
+                idle_since = idle_since or loop.time()
+                if loop.time() - idle_since >= 1.0:
+                    break
+            else:
+                idle_since = None
+            await asyncio.sleep(0.1)
+        await self.stop()
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=0.5)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.gate.ledger.close()
+        self._stopping.set()
+
+    async def wait(self) -> None:
+        await self._stopping.wait()
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGTERM or SIGINT, then drain and exit."""
+    service = Service(config)
+    await service.start()
+    loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task[None]] = []
+
+    def on_signal() -> None:
+        if not draining:
+            log.info("signal received: draining")
+            draining.append(asyncio.ensure_future(service.drain()))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    await service.wait()
+

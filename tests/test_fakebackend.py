@@ -1,0 +1,302 @@
+"""Contract tests for the fake backend: OpenAI wire format, continuous-batching timing, metrics.
+
+Timing tests use models where the effect under test is several times larger than scheduling
+noise, and assert relations between measurements rather than absolute durations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.fakebackend import EngineModel, build_app
+
+Client = TestClient[web.Request, web.Application]
+FAST = EngineModel(time_scale=0.01)
+
+
+def flat(ms_per_token: float, **overrides: Any) -> EngineModel:
+    """A model whose every step takes ``ms_per_token`` whatever the batch, with no prefill."""
+    fields: dict[str, Any] = {"itl_ms_at_1": ms_per_token, "itl_ms_per_running": 0.0,
+                              "prefill_ms_per_token": 0.0} | overrides
+    return EngineModel(**fields)
+
+
+@asynccontextmanager
+async def serving(model: EngineModel, **kwargs: Any) -> AsyncIterator[Client]:
+    async with TestClient(TestServer(build_app(model, **kwargs))) as client:
+        yield client
+
+
+def chat(output_tokens: int | None = None, *, content: str = "x" * 40,
+         **extra: Any) -> dict[str, Any]:
+    """A chat body; ``content`` is four bytes a prompt token."""
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    if output_tokens is not None:
+        body["extproc_output_tokens"] = output_tokens
+    return body | extra
+
+
+async def post_json(client: Client, body: dict[str, Any],
+                    path: str = "/v1/chat/completions") -> Any:
+    response = await client.post(path, json=body)
+    assert response.status == 200, await response.text()
+    return await response.json()
+
+
+async def stream_events(client: Client, body: dict[str, Any]) -> list[str]:
+    """The ``data:`` payloads of one streamed call, in order."""
+    response = await client.post("/v1/chat/completions", json=body | {"stream": True})
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    return [line[6:] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+
+
+async def stream_timing(client: Client, output_tokens: int) -> tuple[float, float]:
+    """Client-side (time to first token, time to last byte) of one streamed call."""
+    start = time.monotonic()
+    response = await client.post("/v1/chat/completions", json=chat(output_tokens, stream=True))
+    await response.content.readline()
+    first = time.monotonic() - start
+    await response.read()
+    return first, time.monotonic() - start
+
+
+async def scrape(client: Client) -> dict[str, float]:
+    """Every metric sample except histogram buckets, summed over labels."""
+    text = await (await client.get("/metrics")).text()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_bucket"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+async def until(client: Client, check: Callable[[dict[str, float]], bool]) -> None:
+    """Poll ``/metrics`` until ``check`` holds; TimeoutError after 3 s."""
+    async with asyncio.timeout(3):
+        while not check(await scrape(client)):  # noqa: ASYNC110 - the state is in the server
+            await asyncio.sleep(0.005)
+
+
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+
+
+def test_defaults_reproduce_the_measured_inter_token_latency() -> None:
+    model = EngineModel()
+    assert model.itl_ms(1) == pytest.approx(18.6)
+    assert model.itl_ms(50) == pytest.approx(59.7, abs=0.2)
+
+
+def test_engine_model_reports_every_bad_value() -> None:
+    with pytest.raises(ValueError, match=r"max_running.*time_scale"):
+        EngineModel(max_running=0, time_scale=-1)
+
+
+@pytest.mark.asyncio
+async def test_chat_usage_counts_the_requested_output_tokens() -> None:
+    async with serving(FAST) as client:
+        answer = await post_json(client, chat(7))
+    assert answer["object"] == "chat.completion"
+    assert answer["usage"] == {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": " tok" * 7}
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.asyncio
+async def test_completion_stops_at_max_tokens_with_finish_reason_length() -> None:
+    async with serving(FAST) as client:
+        body = {"model": "m", "prompt": "hello", "max_tokens": 5, "extproc_output_tokens": 50}
+        answer = await post_json(client, body, "/v1/completions")
+    assert answer["object"] == "text_completion"
+    assert answer["usage"]["completion_tokens"] == 5
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.asyncio
+async def test_drawn_output_lengths_are_seeded_and_capped() -> None:
+    async def lengths(seed: int) -> list[int]:
+        async with serving(EngineModel(time_scale=0.0), seed=seed) as client:
+            answers = [await post_json(client, chat(max_tokens=300)) for _ in range(6)]
+        return [a["usage"]["completion_tokens"] for a in answers]
+
+    first = await lengths(7)
+    assert first == await lengths(7)
+    assert len(set(first)) > 1 and all(1 <= n <= 300 for n in first)
+
+
+@pytest.mark.asyncio
+async def test_stream_sends_one_chunk_per_token_then_done() -> None:
+    async with serving(FAST) as client:
+        events = await stream_events(client, chat(4))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": " tok"}
+    assert deltas[1:4] == [{"content": " tok"}] * 3
+    assert deltas[4] == {} and chunks[4]["choices"][0]["finish_reason"] == "stop"
+    assert len(chunks) == 5
+
+
+@pytest.mark.asyncio
+async def test_third_request_waits_for_a_free_slot() -> None:
+    async with serving(flat(30, max_running=2, time_scale=0.1)) as client:  # 3 ms a token
+        timings = await asyncio.gather(*(stream_timing(client, 30) for _ in range(3)))
+    ttfts = sorted(first for first, _ in timings)
+    shortest = min(last for _, last in timings)
+    assert ttfts[1] < 0.5 * shortest  # two start at once
+    assert ttfts[2] > 0.8 * shortest  # the third starts when one of them ends
+
+
+@pytest.mark.asyncio
+async def test_inter_token_latency_grows_with_the_batch() -> None:
+    model = EngineModel(itl_ms_at_1=1.0, itl_ms_per_running=1.0, prefill_ms_per_token=0.0)
+    async with serving(model) as client:  # itl(1) = 1 ms, itl(8) = 8 ms
+        _, alone = await stream_timing(client, 20)
+        batch = await asyncio.gather(*(stream_timing(client, 20) for _ in range(8)))
+    assert min(last for _, last in batch) > 3 * alone
+
+
+@pytest.mark.asyncio
+async def test_client_disconnect_mid_stream_frees_its_slot() -> None:
+    async with serving(flat(10, max_running=1)) as client:  # the stream alone would take 10 s
+        body = chat(1000, max_tokens=1000, stream=True)
+        stream = await client.post("/v1/chat/completions", json=body)
+        await stream.content.readline()
+        queued = asyncio.create_task(post_json(client, chat(3)))
+        await until(client, lambda m: m[WAITING] == 1)
+        stream.close()
+        answer = await asyncio.wait_for(queued, timeout=3)
+        assert answer["usage"]["completion_tokens"] == 3
+        metrics = await scrape(client)
+    assert metrics[RUNNING] == 0 and metrics[WAITING] == 0
+
+
+@pytest.mark.asyncio
+async def test_client_disconnect_while_waiting_leaves_the_queue() -> None:
+    async with serving(flat(10, max_running=1)) as client:
+        running = asyncio.create_task(post_json(client, chat(1000, max_tokens=1000)))
+        await until(client, lambda m: m[RUNNING] == 1)
+        waiting = asyncio.create_task(post_json(client, chat(3)))
+        await until(client, lambda m: m[WAITING] == 1)
+        waiting.cancel()
+        await until(client, lambda m: m[WAITING] == 0)
+        assert (await scrape(client))[RUNNING] == 1
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+
+
+@pytest.mark.asyncio
+async def test_kv_budget_holds_back_a_sequence_that_would_not_fit() -> None:
+    async with serving(flat(5, kv_cache_tokens=100)) as client:  # each call needs 40 + 20
+        calls = [asyncio.create_task(post_json(client, chat(20, content="x" * 160)))
+                 for _ in range(2)]
+        await until(client, lambda m: m[RUNNING] == 1 and m[WAITING] == 1)
+        assert 0 < (await scrape(client))["vllm:kv_cache_usage_perc"] <= 0.6
+        answers = await asyncio.gather(*calls)
+    assert [a["usage"]["completion_tokens"] for a in answers] == [20, 20]
+
+
+@pytest.mark.asyncio
+async def test_replicas_share_the_load() -> None:
+    async with serving(flat(10, max_running=1), replicas=2) as client:
+        calls = [asyncio.create_task(post_json(client, chat(30))) for _ in range(2)]
+        await until(client, lambda m: m[RUNNING] == 2)
+        assert (await scrape(client))[WAITING] == 0
+        await asyncio.gather(*calls)
+
+
+@pytest.mark.asyncio
+async def test_metrics_use_vllm_names() -> None:
+    async with serving(FAST, model_name="llama") as client:
+        await post_json(client, chat(5))
+        response = await client.get("/metrics")
+        text = await response.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_success"):
+        assert families[name].samples[0].labels["model_name"] == "llama"
+    assert families["vllm:request_success"].type == "counter"
+    success = [s for s in families["vllm:request_success"].samples if s.name.endswith("_total")]
+    assert [(s.labels["finished_reason"], s.value) for s in success] == [("stop", 1.0)]
+    ttft = {s.name: s.value for s in families["vllm:time_to_first_token_seconds"].samples}
+    e2e = {s.name: s.value for s in families["vllm:e2e_request_latency_seconds"].samples}
+    assert ttft["vllm:time_to_first_token_seconds_count"] == 1
+    first, last = (ttft["vllm:time_to_first_token_seconds_sum"],
+                   e2e["vllm:e2e_request_latency_seconds_sum"])
+    assert 0 < first < last
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("path", "data"), [
+    ("/v1/chat/completions", b"{not json"),
+    ("/v1/chat/completions", json.dumps({"model": "m"}).encode()),
+    ("/v1/chat/completions", json.dumps(chat(max_tokens=0)).encode()),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": 3}).encode()),
+])
+async def test_bad_requests_get_an_openai_error(path: str, data: bytes) -> None:
+    async with serving(FAST) as client:
+        response = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+        body = await response.json()
+    assert response.status == 400
+    assert body["error"]["type"] == "invalid_request_error"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.asyncio
+async def test_request_larger_than_the_kv_cache_is_refused() -> None:
+    async with serving(flat(1, kv_cache_tokens=50)) as client:
+        response = await client.post("/v1/chat/completions", json=chat(45))  # 10 + 45 tokens
+    assert response.status == 400
+
+
+@pytest.mark.asyncio
+async def test_health_can_be_switched_off_and_on() -> None:
+    async with serving(FAST) as client:
+        assert (await client.get("/health")).status == 200
+        await client.post("/admin/health", json={"healthy": False})
+        assert (await client.get("/health")).status == 503
+        await client.post("/admin/health", json={"healthy": True})
+        assert (await client.get("/health")).status == 200
+
+
+@pytest.mark.asyncio
+async def test_openai_sdk_reads_whole_answers() -> None:
+    async with serving(FAST) as client:
+        sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+        answer = await sdk.chat.completions.create(
+            model="fake-llm", messages=[{"role": "user", "content": "hi"}],
+            extra_body={"extproc_output_tokens": 4})
+        completion = await sdk.completions.create(model="fake-llm", prompt="hi", max_tokens=3)
+        await sdk.close()
+    assert answer.choices[0].message.content == " tok" * 4
+    assert answer.usage is not None and answer.usage.completion_tokens == 4
+    assert completion.choices[0].finish_reason == "length"
+
+
+@pytest.mark.asyncio
+async def test_openai_sdk_reads_streams() -> None:
+    async with serving(FAST) as client:
+        sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+        stream = await sdk.chat.completions.create(
+            model="fake-llm", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True}, extra_body={"extproc_output_tokens": 4})
+        chunks = [chunk async for chunk in stream]
+        await sdk.close()
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " tok" * 4
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
