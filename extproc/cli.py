@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import contextlib
 import sys
 from collections.abc import Sequence
 
@@ -43,11 +43,9 @@ def _fake_backend(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
         time_scale=args.time_scale,
     )
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(fakebackend.serve(args.host, args.port, engine, replicas=args.replicas,
                                       model_name=args.model, seed=args.seed))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

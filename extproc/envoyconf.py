@@ -30,6 +30,7 @@ from extproc.config import Config
 
 BUFFER_SLACK_BYTES = 1024
 _BIG = 100_000
+_TYPE = "type.googleapis.com/envoy."
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "@type": _TYPE + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
             "failure_mode_allow": topo.fail_open,
             "status_on_error": {"code": 503},
@@ -77,7 +78,8 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         },
     }
     hcm: dict[str, Any] = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": _TYPE + "extensions.filters.network.http_connection_manager.v3"
+                 ".HttpConnectionManager",
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
         "stream_idle_timeout": "600s",
@@ -93,12 +95,12 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         "http_filters": [
             ext_proc,
             {"name": "envoy.filters.http.router", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+                "@type": _TYPE + "extensions.filters.http.router.v3.Router"}},
         ],
     }
     if topo.access_log:
         hcm["access_log"] = [{"name": "envoy.access_loggers.stdout", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"}}]
+            "@type": _TYPE + "extensions.access_loggers.stream.v3.StdoutAccessLog"}}]
     return {
         "admin": {"address": _address("127.0.0.1", topo.admin_port)},
         "static_resources": {
@@ -135,7 +137,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
                     "connect_timeout": "1s",
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                            "@type": _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions",
                             "explicit_http_config": {"http2_protocol_options": {}},
                         },
                     },

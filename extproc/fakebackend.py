@@ -385,7 +385,7 @@ def build_app(model: EngineModel, *, replicas: int = 1, model_name: str = "fake-
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     backend = _Backend(model, replicas, model_name, seed)
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     app.cleanup_ctx.append(backend.run_engines)
     app.add_routes([
         web.post("/v1/chat/completions", backend.completion),

