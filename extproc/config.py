@@ -317,14 +317,14 @@ def _routes(r: _Reader, raw: Any, classes: Mapping[str, ClassPolicy]) -> tuple[R
     for i, item in enumerate(items):
         body = r.section(item, f"routes[{i}]")
         p = f"routes[{i}]."
+        if "path" not in body:
+            r.problems.append(f"{p}path: required")
         path = r.take(body, p, "path", str, "",
                       lambda v: None if v.startswith("/") else "must start with '/'")
         api = r.take(body, p, "api", _enum(Api), Api.OPENAI_CHAT)
         cls = r.take(body, p, "class", str, "latency",
                      lambda v: None if v in classes else f"must be one of {sorted(classes)}")
         r.leftovers(body, p)
-        if not path:
-            r.problems.append(f"{p}path: required")
         routes.append(Route(path=path, api=api, service_class=cls))
     return tuple(routes)
 

@@ -61,10 +61,8 @@ def _reject_constant(name: str) -> Any:
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     doc = dict(pairs)
-    if len(doc) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise BadRequest(f"duplicate key {dup[:64]!r} in JSON object")
+    if len(doc) != len(pairs):  # the key is not quoted back: it may be client content
+        raise BadRequest("a JSON object has a duplicate key", code="duplicate_key")
     return doc
 
 

@@ -75,7 +75,7 @@ def _immediate(status: int, body: bytes, headers: dict[str, str]) -> pb.Processi
         for k, v in headers.items()
     ])
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        status=http_status_pb2.HttpStatus(code=status),
         headers=mutation,
         body=body,
         details=f"extproc_{headers.get(REASON_HEADER, 'refused')}",

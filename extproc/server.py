@@ -146,8 +146,10 @@ class Service:
                                  self.metrics)
         self.processor = Processor(self.gate)
         self.health = health.aio.HealthServicer()
-        # The whole body arrives in one message: allow the body cap plus framing headroom.
-        limit = config.max_body_bytes + 1024 * 1024
+        # The body arrives in one message. Envoy cuts an oversize body only after its buffer
+        # passed the limit, so the message can overshoot by about one read batch (bounded by
+        # the same limit): allow twice the cap, then answer 413 ourselves.
+        limit = 2 * config.max_body_bytes + 1024 * 1024
         self.server = grpc.aio.server(options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", limit),

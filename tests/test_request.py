@@ -1,0 +1,159 @@
+import json
+from typing import Any
+
+import pytest
+
+from extproc.config import Api
+from extproc.errors import BadRequest
+from extproc.request import parse
+
+
+def body(doc: Any) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def chat(**extra: Any) -> bytes:
+    return body({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+def test_chat_with_string_content() -> None:
+    r = parse(Api.OPENAI_CHAT, body({
+        "model": "llama", "stream": True, "max_tokens": 64,
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": "hello"}],
+    }))
+    assert (r.model, r.texts, r.messages, r.max_tokens, r.stream) == (
+        "llama", ("be brief", "hello"), 2, 64, True)
+
+
+def test_chat_content_parts_count_text_and_charge_other_parts() -> None:
+    r = parse(Api.OPENAI_CHAT, body({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is in"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "this picture?"},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    ]}]}))
+    assert r.texts == ("what is in", "this picture?")
+    assert r.non_text_parts == 2
+
+
+def test_chat_null_content_with_tool_calls_counts_arguments_and_tools() -> None:
+    r = parse(Api.OPENAI_CHAT, body({
+        "model": "m",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function",
+             "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}],
+    }))
+    assert r.texts[0] == "{\"x\": 1}"
+    assert "function" in r.texts[1]
+
+
+def test_max_completion_tokens_wins_over_max_tokens_and_n_multiplies() -> None:
+    r = parse(Api.OPENAI_CHAT, chat(max_tokens=10, max_completion_tokens=20, n=3))
+    assert r.max_tokens == 20 and r.choices == 3
+
+
+def test_absent_or_null_max_tokens_means_pool_default() -> None:
+    assert parse(Api.OPENAI_CHAT, chat()).max_tokens is None
+    assert parse(Api.OPENAI_CHAT, chat(max_tokens=None)).max_tokens is None
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.5, "100", True, False, [1], {"a": 1}])
+def test_invalid_max_tokens_is_400(value: Any) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse(Api.OPENAI_CHAT, chat(max_tokens=value))
+    assert err.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("prompt, texts, ids, choices", [
+    ("once upon", ("once upon",), 0, 1),
+    (["a", "b", "c"], ("a", "b", "c"), 0, 3),
+    ([1, 2, 3, 4], (), 4, 1),
+    ([[1, 2], [3, 4, 5]], (), 5, 2),
+])
+def test_completions_prompt_forms(prompt: Any, texts: tuple[str, ...], ids: int,
+                                  choices: int) -> None:
+    r = parse(Api.OPENAI_COMPLETIONS, body({"model": "m", "prompt": prompt, "max_tokens": 5}))
+    assert (r.texts, r.token_ids, r.choices, r.max_tokens) == (texts, ids, choices, 5)
+
+
+def test_embeddings_are_prefill_only() -> None:
+    r = parse(Api.OPENAI_EMBEDDINGS, body({"model": "e", "input": ["x", "y"]}))
+    assert r.prefill_only and r.texts == ("x", "y") and r.choices == 0
+
+
+def test_tgi_generate_and_generate_stream() -> None:
+    doc = {"inputs": "hello", "parameters": {"max_new_tokens": 17}}
+    plain = parse(Api.TGI_GENERATE, body(doc), path="/generate")
+    streamed = parse(Api.TGI_GENERATE, body(doc), path="/generate_stream?x=1")
+    assert (plain.texts, plain.max_tokens, plain.stream) == (("hello",), 17, False)
+    assert streamed.stream
+    with pytest.raises(BadRequest, match="max_new_tokens"):
+        parse(Api.TGI_GENERATE, body({"inputs": "x", "parameters": {"max_new_tokens": 0}}))
+
+
+BAD_BODIES: list[tuple[str, bytes, str]] = [
+    ("empty", b"", "empty"),
+    ("not json", b"{model: m}", "not valid JSON"),
+    ("truncated", b'{"model": "m", "messages": [', "not valid JSON"),
+    ("invalid utf-8", b'{"model": "m\xff\xfe"}', "not valid UTF-8"),
+    ("lone surrogate", b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "surrogate"),
+    ("NaN", b'{"model": "m", "max_tokens": NaN, "messages": []}', "NaN is not valid JSON"),
+    ("Infinity", b'{"model": "m", "max_tokens": Infinity}', "Infinity is not valid JSON"),
+    ("huge number", b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}", "too long"),
+    ("deep nesting", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("duplicate keys", b'{"model": "m", "model": "n", "messages": []}', "duplicate key"),
+    ("nested duplicate keys",
+     b'{"model": "m", "messages": [{"role": "u", "role": "s", "content": "x"}]}',
+     "duplicate key"),
+    ("array body", b"[1, 2]", "must be a JSON object"),
+    ("no model", body({"messages": [{"role": "user", "content": "x"}]}), "'model'"),
+    ("model not a string", body({"model": 3, "messages": []}), "'model'"),
+    ("no messages", body({"model": "m"}), "'messages'"),
+    ("empty messages", body({"model": "m", "messages": []}), "'messages'"),
+    ("message not object", body({"model": "m", "messages": ["hi"]}), "messages[0]"),
+    ("role missing", body({"model": "m", "messages": [{"content": "x"}]}), "role"),
+    ("content a number", body({"model": "m", "messages": [{"role": "u", "content": 5}]}),
+     "content"),
+    ("part without type", body({"model": "m", "messages": [{"role": "u", "content": [{}]}]}),
+     "type"),
+    ("text part not string",
+     body({"model": "m", "messages": [{"role": "u", "content": [{"type": "text", "text": 1}]}]}),
+     "text"),
+    ("stream not bool", chat(stream="yes"), "'stream'"),
+    ("n zero", chat(n=0), "'n'"),
+    ("tools not array", chat(tools={"a": 1}), "'tools'"),
+]
+
+
+@pytest.mark.parametrize("name, raw, message", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_chat_bodies_are_400_with_a_clear_message(name: str, raw: bytes,
+                                                       message: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse(Api.OPENAI_CHAT, raw)
+    assert err.value.status == 400
+    assert message in err.value.message
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], [[1], "a"], [-1], [True]])
+def test_bad_completion_prompts_are_400(prompt: Any) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse(Api.OPENAI_COMPLETIONS, body({"model": "m", "prompt": prompt}))
+    assert err.value.param == "prompt"
+
+
+def test_error_messages_never_quote_the_prompt() -> None:
+    canary = "CANARY-7f3a"
+    cases = [
+        body({"model": "m", "messages": [{"role": "u", "content": canary}], "max_tokens": "x"}),
+        body({"model": "m", "messages": [{"role": "u", "content": canary}], "max_tokens": 1,
+              "max_tokens2": 1, "stream": canary}),
+        ('{"model": "m", "messages": [{"role": "u", "content": "' + canary + '"}').encode(),
+        ('{"model": "m", "' + canary + '": 1, "' + canary + '": 2}').encode(),
+    ]
+    for raw in cases:
+        with pytest.raises(BadRequest) as err:
+            parse(Api.OPENAI_CHAT, raw)
+        assert canary not in err.value.message

@@ -1,0 +1,234 @@
+"""The ext_proc servicer over a real gRPC channel, driven message by message (no Envoy)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc import config
+from extproc.server import SERVICE_NAME, Service
+from extproc.stack import scrape
+
+CHAT = "/v1/chat/completions"
+
+
+def settings(**extra: Any) -> dict[str, Any]:
+    return {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
+            "pools": [{"name": "llama", "replicas": 1, "max_running": 2}], **extra}
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Service]:
+    svc = Service(config.from_mapping(settings(
+        classes={"latency": {"deadline_ms": 30_000, "ttft_ms": 2_000}})))
+    await svc.start()
+    yield svc
+    await svc.stop()
+
+
+@pytest.fixture
+async def stub(service: Service) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
+        yield pb_grpc.ExternalProcessorStub(channel)
+
+
+@pytest.fixture(autouse=True)
+async def end_streams() -> AsyncIterator[None]:
+    """Finish every stream a test opened, so none outlives its event loop."""
+    yield
+    for stream in Stream.opened:
+        await stream.queue.put(None)
+        stream.call.cancel()
+    await asyncio.sleep(0)
+    Stream.opened.clear()
+
+
+def headers(path: str = CHAT, method: str = "POST", eos: bool = False,
+            **extra: str) -> pb.ProcessingRequest:
+    pairs = {":path": path, ":method": method, "content-type": "application/json", **extra}
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
+        end_of_stream=eos))
+
+
+def body(doc: Any, eos: bool = True) -> pb.ProcessingRequest:
+    raw = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=eos))
+
+
+def chat(max_tokens: int = 100) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hello"}]}
+
+
+class Stream:
+    """One ext_proc stream, as Envoy drives it: send a phase, read its answer."""
+
+    opened: list[Stream] = []
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        self.queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
+        self.call = stub.Process(self._requests())
+        Stream.opened.append(self)
+
+    async def _requests(self) -> AsyncIterator[pb.ProcessingRequest]:
+        while (item := await self.queue.get()) is not None:
+            yield item
+
+    async def send(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        await self.queue.put(message)
+        return await asyncio.wait_for(self.call.read(), 5)
+
+    async def close(self) -> None:
+        await self.queue.put(None)
+        assert await asyncio.wait_for(self.call.read(), 5) == grpc.aio.EOF
+
+
+def immediate_headers(resp: pb.ProcessingResponse) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode()
+            for h in resp.immediate_response.headers.set_headers}
+
+
+async def admit_one(stub: pb_grpc.ExternalProcessorStub, max_tokens: int = 100) -> Stream:
+    s = Stream(stub)
+    assert (await s.send(headers())).HasField("request_headers")
+    assert (await s.send(body(chat(max_tokens)))).HasField("request_body")
+    return s
+
+
+async def metric(service: Service, name: str, **labels: str) -> float:
+    """Read a metric through the real /metrics endpoint (off the loop that serves it)."""
+    url = f"http://127.0.0.1:{service.metrics_port}/metrics"
+    return await asyncio.to_thread(scrape, url, name, labels)
+
+
+async def test_unmanaged_path_skips_its_body(stub: pb_grpc.ExternalProcessorStub) -> None:
+    s = Stream(stub)
+    resp = await s.send(headers("/v1/models", method="GET", eos=True))
+    assert resp.HasField("request_headers") and resp.HasField("mode_override")
+    assert resp.mode_override.request_body_mode == ProcessingMode.NONE
+    await s.close()
+
+
+async def test_admitted_stream_holds_its_entry_until_the_stream_ends(
+        service: Service, stub: pb_grpc.ExternalProcessorStub) -> None:
+    s = await admit_one(stub)
+    assert (await service.gate.ledger.snapshot("llama")).inflight == 1
+    await s.close()
+    assert (await service.gate.ledger.snapshot("llama")).inflight == 0
+    assert await metric(service, "extproc_inflight_requests", pool="llama") == 0
+
+
+async def test_cancelled_stream_releases_its_entry(
+        service: Service, stub: pb_grpc.ExternalProcessorStub) -> None:
+    s = await admit_one(stub)
+    assert (await service.gate.ledger.snapshot("llama")).inflight == 1
+    s.call.cancel()  # what Envoy does when the client goes away
+    for _ in range(100):
+        if (await service.gate.ledger.snapshot("llama")).inflight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (await service.gate.ledger.snapshot("llama")).inflight == 0
+
+
+async def test_overload_answers_429_with_retry_after_and_json(
+        service: Service, stub: pb_grpc.ExternalProcessorStub) -> None:
+    held = [await admit_one(stub, 500) for _ in range(2)]  # both slots, ~9 s of work each
+    s = Stream(stub)
+    await s.send(headers())
+    resp = await s.send(body(chat(100)))
+    assert resp.immediate_response.status.code == 429
+    hdrs = immediate_headers(resp)
+    assert int(hdrs["retry-after"]) >= 1
+    assert hdrs["x-admission-reason"] in ("ttft", "deadline")
+    error = json.loads(resp.immediate_response.body)["error"]
+    assert error["type"] == "overloaded_error" and "Retry after" in error["message"]
+    assert (await service.gate.ledger.snapshot("llama")).inflight == 2  # nothing leaked
+    assert await metric(service, "extproc_admission_decisions_total", outcome="reject") == 1
+    for h in held:
+        await h.close()
+
+
+async def test_malformed_body_is_400_json(stub: pb_grpc.ExternalProcessorStub) -> None:
+    s = Stream(stub)
+    await s.send(headers())
+    resp = await s.send(body(b"{not json"))
+    assert resp.immediate_response.status.code == 400
+    assert json.loads(resp.immediate_response.body)["error"]["code"] == "invalid_json"
+    assert immediate_headers(resp)["x-should-retry"] == "false"
+
+
+async def test_content_length_over_the_cap_is_413_at_headers(
+        service: Service, stub: pb_grpc.ExternalProcessorStub) -> None:
+    s = Stream(stub)
+    too_big = str(service.config.max_body_bytes + 1)
+    resp = await s.send(headers(**{"content-length": too_big}))
+    assert resp.immediate_response.status.code == 413
+    assert json.loads(resp.immediate_response.body)["error"]["code"] == "request_too_large"
+
+
+async def test_body_cut_short_by_envoy_is_413(stub: pb_grpc.ExternalProcessorStub) -> None:
+    s = Stream(stub)
+    await s.send(headers())
+    resp = await s.send(body(b'{"model": "m", "messages": [', eos=False))
+    assert resp.immediate_response.status.code == 413
+
+
+async def test_client_deadline_header_tightens_and_bad_values_are_400(
+        stub: pb_grpc.ExternalProcessorStub) -> None:
+    s = Stream(stub)
+    await s.send(headers(**{"x-admission-deadline-ms": "soon"}))
+    resp = await s.send(body(chat()))
+    assert resp.immediate_response.status.code == 400
+    # 100 output tokens take ~1.9 s idle: a 1 s deadline makes it infeasible, which passes
+    s = Stream(stub)
+    await s.send(headers(**{"x-admission-deadline-ms": "1000"}))
+    assert (await s.send(body(chat()))).HasField("request_body")
+    await s.close()
+
+
+async def test_shadow_mode_counts_rejections_but_continues() -> None:
+    svc = Service(config.from_mapping(settings(mode="shadow")))
+    await svc.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            streams = [await admit_one(stub, 500) for _ in range(4)]
+            assert await metric(svc, "extproc_admission_decisions_total", outcome="reject",
+                          mode="shadow") >= 1
+            assert (await svc.gate.ledger.snapshot("llama")).inflight == 4
+            for s in streams:
+                await s.close()
+            assert (await svc.gate.ledger.snapshot("llama")).inflight == 0
+    finally:
+        await svc.stop()
+
+
+async def test_health_serves_then_turns_not_serving_on_drain(service: Service) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        s = await admit_one(stub)
+        drain = asyncio.create_task(service.drain())
+        await asyncio.sleep(0.2)
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        # open streams are still served during the grace period
+        late = await admit_one(stub)
+        assert not drain.done()
+        await s.close()
+        await late.close()
+        await asyncio.wait_for(drain, 5)
