@@ -310,37 +310,49 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(results: Sequence[Result], duration_s: float, deadline_s: float) -> dict[str, Any]:
+def summarize(results: Sequence[Result], duration_s: float, deadline_s: float,
+              ttft_objective_s: float | None = None) -> dict[str, Any]:
     """The numbers the demo and benchmarks print.
 
     Every request is exactly one of ok, rejected_429, abandoned or failed (any other status,
     a broken stream, a connection error). Percentiles are over the ok ones (200, whole
-    answer). A request is *good* when it succeeded within ``deadline_s`` of its arrival;
-    shares are of all requests sent; goodput is good requests per second of the arrival
-    window ``duration_s``.
+    answer). Shares are of all requests sent; rates are per second of the arrival window
+    ``duration_s``.
+
+    - *within deadline*: ok and ended within ``deadline_s`` of its arrival; ``goodput_rps``
+      counts these, ``good_tokens_per_s`` their output tokens (a request-count goodput
+      flatters a queue that lets short requests through and starves long ones; tokens do not);
+    - *within SLO*: within deadline and, if ``ttft_objective_s`` is given, its first token
+      within that objective (the latency class's promise to an interactive client).
     """
     sent = len(results)
     ok = [r for r in results if r.ok]
     latencies = [r.latency_s for r in ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    good = sum(1 for r in ok if r.latency_s <= deadline_s)
+    good = [r for r in ok if r.latency_s <= deadline_s]
+    slo = [r for r in good if ttft_objective_s is None
+           or (r.ttft_s is not None and r.ttft_s <= ttft_objective_s)]
     rejected = sum(1 for r in results if not r.ok and r.status == 429)
     abandoned = sum(1 for r in results if not r.ok and r.status != 429 and r.abandoned)
-    failed = sent - len(ok) - rejected - abandoned
     return {
         "sent": sent,
         "ok": len(ok),
         "rejected_429": rejected,
         "share_429": rejected / sent if sent else 0.0,
         "abandoned": abandoned,
-        "failed": failed,
+        "failed": sent - len(ok) - rejected - abandoned,
         "latency_p50_s": percentile(latencies, 50),
         "latency_p95_s": percentile(latencies, 95),
         "latency_p99_s": percentile(latencies, 99),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p95_s": percentile(ttfts, 95),
-        "within_deadline": good,
-        "within_deadline_share": good / sent if sent else 0.0,
-        "goodput_rps": good / duration_s,
+        "within_deadline": len(good),
+        "within_deadline_share": len(good) / sent if sent else 0.0,
+        "goodput_rps": len(good) / duration_s,
+        "good_tokens_per_s": sum(r.tokens for r in good) / duration_s,
+        "within_slo": len(slo),
+        "within_slo_share": len(slo) / sent if sent else 0.0,
+        "slo_goodput_rps": len(slo) / duration_s,
         "tokens": sum(r.tokens for r in results),
+        "start_lag_max_s": max((r.start_lag_s for r in results), default=0.0),
     }
