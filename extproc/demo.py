@@ -15,20 +15,35 @@ The setup, and why the difference is structural rather than luck:
 - Capacity, from the timing model at a full batch ``B``: a step emits one token to each of
   ``B`` sequences and prefill stalls the batch, so one completion costs a replica
   ``E[output] x itl(B) / B + E[prompt] x prefill`` ms and
-  ``capacity = replicas / that``. With the conversation-trace lengths (capped means ~205
-  output and ~1,180 prompt tokens) that is ~4.1 requests/s for two replicas.
+  ``capacity = replicas / that``. With the conversation-trace lengths (capped means 196
+  output and 1,119 prompt tokens: 382 + 90 ms) that is 4.24 requests/s for two replicas.
 - Load: ``rate_x`` x capacity (default 3x), Poisson, streaming chat, ``max_tokens`` 512 (the
   admission model charges it in full), the true output length sent as
   ``extproc_output_tokens``. Clients abandon at 30 s, like the article's; the ``latency``
   class keeps its defaults (deadline 30 s, TTFT objective 2 s, safety 0.8). Rejected
   requests are not retried.
 - Without admission the backends' FIFO queues take everything: at 3x the queue's wait grows
-  by ~2 s per second of burst until it reaches the clients' timeout, after which slots go to
-  requests that are abandoned before they finish, and the successes are the few that
-  squeezed in just under 30 s. With admission a request that finds every slot busy is
-  predicted to wait ~outstanding / slots (~16 s with 512 tokens charged each) and would
-  then miss 24 s or its TTFT objective, so it gets a 429 at once: the queue never forms,
-  every admitted request runs at full batch and finishes in its own service time.
+  by ~2 s per second of burst until it reaches the clients' timeout; from then on the
+  requests that succeed are those that squeezed in just under 30 s, after a wait of ~25 s.
+  With admission a request that finds every slot busy is predicted to wait
+  ~outstanding / slots (~16 s with 512 tokens charged each), past its TTFT objective and
+  its deadline, so it gets a 429 at once: the queue never forms and every admitted request
+  runs at a full batch in its own service time. Hence, structurally: the p95 latency of ok
+  requests is the service time of a long answer (~17-20 s) instead of the client timeout
+  (~29.5 s), and TTFT stays under the objective instead of growing with the queue.
+
+What "good" means. A request is *within SLO* when it finished within the deadline AND its
+first token came within the class's TTFT objective: the latency class promises both, and
+they are what admission enforces. Goodput within SLO is the headline (``enforce_wins``).
+Goodput within the deadline alone is printed too, in requests and in output tokens, but it
+does not separate the modes by a clear margin and the demo does not claim it does: the fake
+backend (like vLLM) drops a request the moment its client disconnects, so without admission
+the queue sheds by timing out, the requests that still finish are mostly the short ones
+(survivor bias: ~30% of the conversation trace's answers are under 100 tokens), and they
+reach about the fleet's capacity in request count while delivering fewer tokens (~1.3x
+fewer) and answering only after ~25 s of queueing. The article's "zero goodput" also
+needed a server that kept working for clients that had gone (its p95 47 s outlived the
+30 s timeout); an aborting server does not show that collapse.
 
 ``time_scale`` (not on the command line) runs everything faster by one factor: backend
 timing, the pool's cost model, the class deadline and the client timeout; the tests use it.
@@ -106,6 +121,15 @@ def settings(mode: str, pool: Pool, time_scale: float) -> dict[str, Any]:
                                 "ttft_ms": TTFT_S * 1000 * time_scale,
                                 "safety_factor": SAFETY}},
     }
+
+
+def backend_args(pool: Pool, time_scale: float) -> list[str]:
+    """Fake-backend flags with the very timing the pool's cost model assumes."""
+    return ["--max-running", str(pool.max_running),
+            "--prefill-ms-per-token", str(pool.prefill_ms_per_token),
+            "--itl-ms-at-1", str(pool.itl_ms_at_1),
+            "--itl-ms-per-running", str(pool.itl_ms_per_running),
+            "--time-scale", str(time_scale), "--model", MODEL]
 
 
 @dataclass
@@ -236,7 +260,7 @@ def run_mode(mode: str, workload: loadgen.Workload, pool: Pool, workdir: Path, *
     report = RunReport(mode)
     stack = LocalStack(
         workdir / mode, settings(mode, pool, time_scale), backends=pool.replicas,
-        backend_args=["--max-running", str(pool.max_running), "--time-scale", str(time_scale)],
+        backend_args=backend_args(pool, time_scale),
     )
     began = time.monotonic()
     try:
@@ -256,8 +280,11 @@ def run_mode(mode: str, workload: loadgen.Workload, pool: Pool, workdir: Path, *
                               f"{stack.workdir}")
         report.summary = loadgen.summarize(results, workload.duration_s,
                                            DEADLINE_S * time_scale, TTFT_S * time_scale)
-        report.drained = _backends_idle(stack, IDLE_WAIT_S * time_scale)
-        _read_extproc(stack, report)
+        try:
+            report.drained = _backends_idle(stack, IDLE_WAIT_S * time_scale)
+            _read_extproc(stack, report)
+        except OSError as exc:  # URLError, refused connections: a process is gone
+            raise StackFailed(f"{mode}: cannot read metrics after the run: {exc}") from exc
     finally:
         _stop(stack)
     return report
@@ -279,50 +306,51 @@ def _fmt(value: Any, kind: str) -> str:
     return str(value)
 
 
-_ROWS = (
-    ("requests sent", "sent", "n"),
-    ("  ok (200, whole answer)", "ok", "n"),
-    ("  rejected (429)", "rejected_429", "n"),
-    ("  429 share", "share_429", "pct"),
-    ("  abandoned at the client timeout", "abandoned", "n"),
-    ("  failed otherwise", "failed", "n"),
-    ("latency p50 (ok)", "latency_p50_s", "s"),
-    ("latency p95 (ok)", "latency_p95_s", "s"),
-    ("latency p99 (ok)", "latency_p99_s", "s"),
-    ("TTFT p50 (ok)", "ttft_p50_s", "s"),
-    ("TTFT p95 (ok)", "ttft_p95_s", "s"),
-    ("within deadline", "within_deadline", "n"),
-    ("  share of all sent", "within_deadline_share", "pct"),
-    ("  goodput, requests", "goodput_rps", "rps"),
-    ("  goodput, output tokens", "good_tokens_per_s", "tps"),
-    ("within SLO (deadline and TTFT)", "within_slo", "n"),
-    ("  share of all sent", "within_slo_share", "pct"),
-    ("  goodput, requests", "slo_goodput_rps", "rps"),
-)
+def _rows(deadline_s: float, ttft_s: float) -> tuple[tuple[str, str, str], ...]:
+    return (
+        ("requests sent", "sent", "n"),
+        ("  ok (200, whole answer)", "ok", "n"),
+        ("  rejected (429, not retried)", "rejected_429", "n"),
+        ("  429 share", "share_429", "pct"),
+        ("  abandoned at the client timeout", "abandoned", "n"),
+        ("  failed otherwise", "failed", "n"),
+        ("latency p50 (ok)", "latency_p50_s", "s"),
+        ("latency p95 (ok)", "latency_p95_s", "s"),
+        ("latency p99 (ok)", "latency_p99_s", "s"),
+        ("TTFT p50 (ok)", "ttft_p50_s", "s"),
+        ("TTFT p95 (ok)", "ttft_p95_s", "s"),
+        (f"done within the {deadline_s:g} s deadline", "within_deadline", "n"),
+        ("  share of all sent", "within_deadline_share", "pct"),
+        ("  goodput, requests", "goodput_rps", "rps"),
+        ("  goodput, output tokens", "good_tokens_per_s", "tps"),
+        (f"within SLO (deadline, TTFT <= {ttft_s:g} s)", "within_slo", "n"),
+        ("  share of all sent", "within_slo_share", "pct"),
+        ("  goodput, requests", "slo_goodput_rps", "rps"),
+    )
 
 
-def table(reports: Mapping[str, RunReport]) -> str:
+def table(reports: Mapping[str, RunReport], deadline_s: float, ttft_s: float) -> str:
+    """The two runs side by side, in aligned columns."""
     modes = list(reports)
     titles = {"shadow": "shadow (no admission)", "enforce": "enforce (admission)"}
     rows: list[tuple[str, ...]] = [("", *[titles.get(m, m) for m in modes])]
-    for label, key, kind in _ROWS:
+    for label, key, kind in _rows(deadline_s, ttft_s):
         rows.append((label, *[_fmt(reports[m].summary.get(key), kind) for m in modes]))
-    rows.append(("admission time mean (extproc)",
+    rows.append(("admission time in extproc, mean",
                  *[_fmt(reports[m].decision_ms_mean, "ms") for m in modes]))
-    rows.append(("admission time p99 (extproc)",
+    rows.append(("  p99 (from histogram buckets)",
                  *[_fmt(reports[m].decision_ms_p99, "ms") for m in modes]))
-    keys = sorted({k for m in modes for k in reports[m].decisions})
-    for key in keys:
-        rows.append((f"decisions {key}", *[str(reports[m].decisions.get(key, 0)) for m in modes]))
-    rows.append(("backends drained after run",
+    for key in sorted({k for m in modes for k in reports[m].decisions}):
+        rows.append((f"extproc decisions {key}",
+                     *[str(reports[m].decisions.get(key, 0)) for m in modes]))
+    rows.append(("backends drained after the run",
                  *["yes" if reports[m].drained else "NO" for m in modes]))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:],
-                                                                       strict=True)]
-        lines.append("  " + "   ".join(cells))
-    return "\n".join(lines)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  " + "   ".join([row[0].ljust(widths[0]),
+                           *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))])
+        for row in rows
+    )
 
 
 def compare(shadow: Mapping[str, Any], enforce: Mapping[str, Any]) -> dict[str, float | None]:
@@ -342,12 +370,10 @@ def compare(shadow: Mapping[str, Any], enforce: Mapping[str, Any]) -> dict[str, 
 
 
 def enforce_wins(shadow: Mapping[str, Any], enforce: Mapping[str, Any]) -> bool:
-    """Enforcing beats shadow on goodput within the SLO, on goodput in tokens and on the p95
-    latency of ok requests (the request-count goodput within the deadline alone is printed
-    but not judged: see the module docstring)."""
+    """Enforcing beats shadow on goodput within the SLO and on the p95 latency of ok requests.
+    Goodput within the deadline alone is printed, not judged (see the module docstring)."""
     e95, s95 = enforce["latency_p95_s"], shadow["latency_p95_s"]
     return (enforce["slo_goodput_rps"] > shadow["slo_goodput_rps"]
-            and enforce["good_tokens_per_s"] > shadow["good_tokens_per_s"]
             and e95 is not None and (s95 is None or e95 < s95))
 
 
@@ -400,14 +426,14 @@ def main(duration_s: float = 40.0, rate_x: float = 3.0, workdir: str = ".demo", 
         print("extproc demo: interrupted; every process of the stack was stopped", file=out)
         return 130
 
-    print(table(reports), file=out)
+    print(table(reports, deadline_s, TTFT_S * time_scale), file=out)
     ratios = compare(reports["shadow"].summary, reports["enforce"].summary)
     wins = enforce_wins(reports["shadow"].summary, reports["enforce"].summary)
-    print(f"  enforce / shadow: SLO goodput x{_ratio(ratios['slo_goodput'])}, goodput in"
-          f" tokens x{_ratio(ratios['token_goodput'])}, goodput in requests"
-          f" x{_ratio(ratios['goodput'])}; p95 latency of ok requests"
-          f" {_ratio(ratios['p95_speedup'])}x lower{'' if wins else '  (enforce did NOT win)'}",
-          file=out)
+    print(f"  enforce vs shadow: goodput within SLO x{_ratio(ratios['slo_goodput'])}, p95"
+          f" latency of ok requests {_ratio(ratios['p95_speedup'])}x lower"
+          f"{'' if wins else ' -- enforce did NOT win'}; within the deadline alone: goodput"
+          f" x{_ratio(ratios['goodput'])} in requests, x{_ratio(ratios['token_goodput'])} in"
+          " tokens", file=out)
     elapsed = time.monotonic() - began
     print(f"  wall time {elapsed:.0f} s; logs and configs in {workdir}/", file=out)
     summary = {

@@ -223,7 +223,8 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: bytes,
         if not stream:
             answer = await resp.json(content_type=None)
             usage = answer.get("usage") if isinstance(answer, dict) else None
-            progress.tokens = int(usage.get("completion_tokens", 0)) if usage else 0
+            if isinstance(usage, dict):
+                progress.tokens = int(usage.get("completion_tokens") or 0)
             progress.completed = True
             return
         async for line in resp.content:
@@ -242,7 +243,8 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: bytes,
 async def _one(session: aiohttp.ClientSession, index: int, url: str, body: bytes,
                headers: Mapping[str, str], stream: bool, scheduled: float,
                timeout_s: float) -> Result:
-    """Send one request and record what came back; never raises (except cancellation)."""
+    """Send one request and record what came back; never raises (except cancellation).
+    The client gives up ``timeout_s`` after it actually sent the request."""
     progress = _Progress()
     started = time.monotonic()
     error: str | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -16,6 +17,7 @@ from aiohttp.test_utils import TestServer
 from extproc import loadgen
 from extproc.fakebackend import EngineModel, build_app
 from extproc.loadgen import Lengths, Planned, Result, Workload, percentile, summarize
+from extproc.stack import free_port
 
 # -- workloads ------------------------------------------------------------------------------
 
@@ -42,9 +44,9 @@ def test_poisson_arrivals_come_at_the_rate_asked() -> None:
     work = Workload.generate(20, 100, seed=5)
     times = [p.at_s for p in work.requests]
     assert times == sorted(times)
-    assert 0 <= times[0] and times[-1] < 100
+    assert times[0] >= 0 and times[-1] < 100
     assert abs(len(times) - 2000) < 5 * 2000**0.5  # Poisson: sd = sqrt(mean)
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=0.05)
     assert statistics.stdev(gaps) == pytest.approx(1 / 20, rel=0.1)  # exponential: sd = mean
 
@@ -220,6 +222,14 @@ async def test_run_against_the_fake_backend_gets_every_token() -> None:
 
 async def test_a_refused_connection_is_a_failure_not_a_crash() -> None:
     work = Workload(0, 1.0, 1.0, (Planned(0.0, 1, 1, 8),))
-    (result,) = await loadgen.run(work, "http://127.0.0.1:9", timeout_s=2)
+    (result,) = await loadgen.run(work, f"http://127.0.0.1:{free_port()}", timeout_s=2)
     assert result.status == 0 and result.error is not None and not result.abandoned
     assert summarize([result], 1.0, 30.0)["failed"] == 1
+
+
+async def test_a_whole_answer_counts_its_usage_tokens() -> None:
+    work = Workload.generate(50, 0.1, seed=6, lengths=Lengths(prompt_cap=100, max_tokens=20))
+    async with serving(build_app(EngineModel(time_scale=0.01))) as url:
+        results = await loadgen.run(work, url, timeout_s=10, stream=False)
+    assert all(r.ok and r.ttft_s is None for r in results)
+    assert [r.tokens for r in results] == [p.output_tokens for p in work.requests]
