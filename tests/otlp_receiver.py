@@ -1,0 +1,57 @@
+"""A real OTLP/gRPC trace receiver for tests: what Jaeger's collector port speaks."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from extproc.stack import free_port
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.requests: list[bytes] = []  # raw bytes, to search for canaries
+        self.spans: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self.port = free_port()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802  (gRPC method)
+        with self._lock:
+            self.requests.append(request.SerializeToString())
+            for rs in request.resource_spans:
+                service = next((a.value.string_value for a in rs.resource.attributes
+                                if a.key == "service.name"), "")
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        self.spans.append({
+                            "service": service,
+                            "name": span.name,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent_span_id": span.parent_span_id.hex(),
+                            "attributes": {a.key: _value(a.value) for a in span.attributes},
+                        })
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def __enter__(self) -> Receiver:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop(0)
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None

@@ -1,0 +1,57 @@
+import time
+
+from extproc.telemetry import Tracing, TracingConfig
+from tests.otlp_receiver import Receiver
+
+PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+
+
+def wait_for_spans(receiver: Receiver, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(receiver.spans) < n:
+        assert time.monotonic() < deadline, f"only {len(receiver.spans)} spans arrived"
+        time.sleep(0.05)
+
+
+def test_off_creates_no_span_and_costs_nothing() -> None:
+    tracing = Tracing(TracingConfig(endpoint=None))
+    with tracing.span({}, {}) as span:
+        span.set(model="m", outcome="admit")
+        assert span.trace_id is None
+    assert not tracing.enabled
+
+
+def test_decision_span_is_exported_over_otlp_under_the_grpc_parent() -> None:
+    with Receiver() as receiver:
+        tracing = Tracing(TracingConfig(endpoint=receiver.endpoint))
+        metadata = {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"}
+        header = {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}
+        with tracing.span(metadata, header) as span:
+            span.set(model="llama", prompt_tokens=42, outcome="reject", wait_ms=1234.5,
+                     pool="p", ignored=None)
+            assert span.trace_id == PARENT_TRACE
+        tracing.shutdown()
+        wait_for_spans(receiver, 1)
+    [exported] = receiver.spans
+    assert exported["service"] == "extproc" and exported["name"] == "extproc.admission"
+    assert (exported["trace_id"], exported["parent_span_id"]) == (PARENT_TRACE, PARENT_SPAN)
+    attrs = exported["attributes"]
+    assert attrs["gen_ai.request.model"] == "llama"
+    assert attrs["gen_ai.usage.input_tokens"] == 42
+    assert attrs["extproc.outcome"] == "reject" and attrs["extproc.wait_ms"] == 1234.5
+    assert "extproc.ignored" not in attrs
+
+
+def test_request_traceparent_is_the_fallback_parent() -> None:
+    with Receiver() as receiver:
+        tracing = Tracing(TracingConfig(endpoint=receiver.endpoint))
+        with tracing.span({}, {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"}):
+            pass
+        with tracing.span({}, {}):  # no parent at all: a new root trace
+            pass
+        tracing.shutdown()
+        wait_for_spans(receiver, 2)
+    child, root = receiver.spans
+    assert child["parent_span_id"] == PARENT_SPAN
+    assert root["parent_span_id"] == "" and root["trace_id"] != PARENT_TRACE
