@@ -4,15 +4,33 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test check lint typecheck bench clean
+.PHONY: setup system-packages demo test check lint typecheck bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) system-packages
+
+# The tests start their own redis-server processes (standalone, Sentinel, Cluster, TLS with
+# certificates made by openssl); never the system service apt may start on port 6379.
+system-packages:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$$(id -u)" != 0 ]; then \
+		echo "missing:$$missing -- install as root: apt-get install -y$$missing"; exit 1; \
+	fi; \
+	echo "installing$$missing"; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# xds-protos ships an old copy of opentelemetry/proto that overwrites the real one
+	@# (no InstrumentationScope, so the OTLP exporter cannot import): put the real one back.
+	$(PY) -m pip install --quiet --force-reinstall --no-deps \
+		"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	@touch $(STAMP)
 
 demo: setup

@@ -1,0 +1,232 @@
+"""Model-server signals: what each replica's engine says it holds, from its own ``/metrics``.
+
+Names read (samples summed over their labels; vLLM labels by model and engine):
+
+    waiting    vllm:num_requests_waiting   | tgi_queue_size
+    running    vllm:num_requests_running   | tgi_batch_current_size
+    kv usage   vllm:kv_cache_usage_perc (0..1; vllm:gpu_cache_usage_perc before vLLM 0.10)
+
+TGI has no KV-usage gauge; a page with none of these names is a failed scrape, not zeros.
+
+Each replica is scraped concurrently with a short timeout. A failed scrape keeps that
+replica's previous sample until it is older than ``max_age_s``; the pool's aggregate sums the
+fresh samples and is **stale** when fewer than ``min_coverage`` of the targets have one. Stale
+is not overload: a stale aggregate never tightens admission (``correction`` returns nothing),
+so an exporter outage cannot turn into rejections.
+
+The correction. The ledger counts the requests this gateway admitted; the engines count what
+they really hold. When the engines hold far more (traffic that bypassed this gateway, other
+gateway replicas each with an in-process ledger, requests the ledger already released but an
+engine still runs), the ledger's view is too rosy. With ``E = waiting + running`` summed over
+the engines and ``L`` the ledger's in-flight count:
+
+    allowed = L x (1 + tolerance) + slack          scrape lag and rounding are not a signal
+    extra   = max(0, ceil(E - allowed))            requests the ledger does not know about
+    cost    = outstanding_ms / L                   the ledger's mean charge per request
+              (fallback_request_ms when L = 0)
+    corrected snapshot = (L + extra, outstanding_ms + extra x cost)
+
+It only ever adds work: engines holding fewer requests than the ledger (requests still on the
+wire) never loosen admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.admission import Snapshot
+
+log = logging.getLogger(__name__)
+
+WAITING = ("vllm:num_requests_waiting", "tgi_queue_size")
+RUNNING = ("vllm:num_requests_running", "tgi_batch_current_size")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One replica's engine at one scrape."""
+
+    waiting: int
+    running: int
+    kv_usage: float | None = None  # 0..1, when the engine reports it
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A pool's engines, summed over replicas with a fresh sample."""
+
+    waiting: int
+    running: int
+    kv_usage_max: float | None  # the fullest replica (a mean hides a hot one)
+    kv_usage_mean: float | None
+    targets: int  # replicas asked
+    fresh: int  # replicas with a sample younger than max_age_s
+    stale: bool  # too few fresh samples to trust the sums
+
+    @property
+    def total(self) -> int:
+        return self.waiting + self.running
+
+
+def parse(text: str) -> EngineSample:
+    """An ``EngineSample`` from a Prometheus text page; ValueError if no engine metric is there."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (*WAITING, *RUNNING, *KV_USAGE):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+                counts[sample.name] = counts.get(sample.name, 0) + 1
+
+    def first(names: Sequence[str]) -> float | None:
+        return next((sums[n] for n in names if n in sums), None)
+
+    waiting, running = first(WAITING), first(RUNNING)
+    if waiting is None and running is None:
+        raise ValueError("no vLLM or TGI queue metrics on the page")
+    kv_name = next((n for n in KV_USAGE if n in sums), None)
+    kv = sums[kv_name] / counts[kv_name] if kv_name else None  # mean over a replica's engines
+    return EngineSample(round(waiting or 0), round(running or 0), kv)
+
+
+def aggregate(samples: Iterable[tuple[float, EngineSample]], targets: int, now: float, *,
+              max_age_s: float, min_coverage: float) -> PoolStats:
+    """Sum the samples younger than ``max_age_s``; stale below ``min_coverage`` of targets."""
+    fresh = [s for at, s in samples if now - at <= max_age_s]
+    kvs = [s.kv_usage for s in fresh if s.kv_usage is not None]
+    stale = not fresh or len(fresh) < min_coverage * targets
+    return PoolStats(
+        waiting=sum(s.waiting for s in fresh), running=sum(s.running for s in fresh),
+        kv_usage_max=max(kvs) if kvs else None,
+        kv_usage_mean=sum(kvs) / len(kvs) if kvs else None,
+        targets=targets, fresh=len(fresh), stale=stale)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Work to add to the ledger's snapshot before deciding (zero: no correction)."""
+
+    extra_inflight: int = 0
+    extra_ms: float = 0.0
+
+    def apply(self, snapshot: Snapshot) -> Snapshot:
+        if not self.extra_inflight:
+            return snapshot
+        return Snapshot(snapshot.inflight + self.extra_inflight,
+                        snapshot.outstanding_ms + self.extra_ms)
+
+
+def correction(ledger: Snapshot, engines: PoolStats | None, *, fallback_request_ms: float,
+               tolerance: float = 0.25, slack: int = 2) -> Correction:
+    """How much to tighten admission; see the module docstring for the formula."""
+    if engines is None or engines.stale:
+        return Correction()
+    allowed = ledger.inflight * (1.0 + tolerance) + slack
+    extra = max(0, math.ceil(engines.total - allowed))
+    if extra == 0:
+        return Correction()
+    cost = ledger.outstanding_ms / ledger.inflight if ledger.inflight else fallback_request_ms
+    return Correction(extra, extra * cost)
+
+
+Targets = Callable[[str], Sequence[str]]
+
+
+class EngineStats:
+    """Scrapes every replica of a pool; ``targets(pool)`` lists ``host:port`` or base URLs.
+
+    Call ``await scrape(pool)`` on a timer (or ``start(pools, interval_s)``), read
+    ``latest(pool)`` at decision time: it re-applies ``max_age_s`` at the clock's now, so a
+    scraper that stopped turns stale by itself.
+    """
+
+    def __init__(self, targets: Targets | Mapping[str, Sequence[str]], *,
+                 timeout_s: float = 0.5, max_age_s: float = 5.0, min_coverage: float = 0.5,
+                 path: str = "/metrics", clock: Callable[[], float] = time.monotonic) -> None:
+        self._targets: Targets = targets.__getitem__ if isinstance(targets, Mapping) else targets
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.max_age_s, self.min_coverage, self.path = max_age_s, min_coverage, path
+        self._clock = clock
+        self._samples: dict[str, dict[str, tuple[float, EngineSample]]] = {}
+        self._errors: dict[str, str] = {}  # target -> last error, for logs and debugging
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _url(self, target: str) -> str:
+        base = target if "://" in target else f"http://{target}"
+        return base.rstrip("/") + self.path
+
+    async def _one(self, session: aiohttp.ClientSession, target: str) -> EngineSample | None:
+        try:
+            async with session.get(self._url(target)) as resp:
+                resp.raise_for_status()
+                sample = parse(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if target not in self._errors:
+                log.warning("engine metrics of %s: %r", target, exc)
+            self._errors[target] = repr(exc)
+            return None
+        self._errors.pop(target, None)
+        return sample
+
+    async def scrape(self, pool: str) -> PoolStats:
+        """Scrape every target of ``pool`` at once; returns the new aggregate."""
+        targets = list(self._targets(pool))
+        session = self._session or aiohttp.ClientSession(timeout=self.timeout)
+        try:
+            results = await asyncio.gather(*(self._one(session, t) for t in targets))
+        finally:
+            if session is not self._session:
+                await session.close()
+        now = self._clock()
+        known = self._samples.setdefault(pool, {})
+        for target in list(known):
+            if target not in targets:
+                del known[target]  # a replica that left the pool
+        for target, sample in zip(targets, results, strict=True):
+            if sample is not None:
+                known[target] = (now, sample)
+        return self.latest(pool)
+
+    def latest(self, pool: str) -> PoolStats:
+        known = self._samples.get(pool, {})
+        targets = len(list(self._targets(pool)))
+        return aggregate(known.values(), targets, self._clock(), max_age_s=self.max_age_s,
+                         min_coverage=self.min_coverage)
+
+    def errors(self) -> Mapping[str, str]:
+        return dict(self._errors)
+
+    async def start(self, pools: Iterable[str], interval_s: float = 2.0) -> None:
+        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        for pool in pools:
+            self._tasks.append(asyncio.create_task(self._loop(pool, interval_s)))
+
+    async def _loop(self, pool: str, interval_s: float) -> None:
+        while True:
+            try:
+                await self.scrape(pool)
+            except Exception:  # a bug here must not end the loop; latest() goes stale
+                log.exception("scraping engines of pool %s failed", pool)
+            await asyncio.sleep(interval_s)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,176 @@
+"""Engine signals: parsing vLLM/TGI pages, the correction, scraping real fake-backend processes."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from extproc.admission import Snapshot
+from extproc.enginestats import (
+    EngineSample,
+    EngineStats,
+    PoolStats,
+    aggregate,
+    correction,
+    parse,
+)
+from extproc.stack import Process, free_port, wait_http
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.3-70B-Instruct"} 14.0
+vllm:num_requests_running{engine="1",model_name="meta-llama/Llama-3.3-70B-Instruct"} 16.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.3-70B-Instruct"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="meta-llama/Llama-3.3-70B-Instruct"} 5.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.3-70B-Instruct"} 0.75
+vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.3-70B-Instruct"} 0.95
+# HELP vllm:num_preemptions_total Cumulative number of preemptions.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="meta-llama/Llama-3.3-70B-Instruct"} 2.0
+"""
+
+TGI_PAGE = """\
+# TYPE tgi_queue_size gauge
+tgi_queue_size 7
+# TYPE tgi_batch_current_size gauge
+tgi_batch_current_size 32
+# TYPE tgi_request_count counter
+tgi_request_count 1234
+"""
+
+
+def test_parse_vllm_sums_engines_and_averages_kv() -> None:
+    assert parse(VLLM_PAGE) == EngineSample(waiting=8, running=30, kv_usage=pytest.approx(0.85))
+
+
+def test_parse_tgi_and_older_vllm() -> None:
+    assert parse(TGI_PAGE) == EngineSample(waiting=7, running=32, kv_usage=None)
+    old = ("vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n"
+           "vllm:gpu_cache_usage_perc 0.5\n")
+    assert parse(old) == EngineSample(1, 2, 0.5)
+
+
+def test_a_page_without_engine_metrics_is_a_failure_not_zeros() -> None:
+    with pytest.raises(ValueError, match="no vLLM or TGI"):
+        parse("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3.2\n")
+
+
+def test_aggregate_marks_too_few_fresh_samples_stale() -> None:
+    samples = [(100.0, EngineSample(2, 4, 0.5)), (96.0, EngineSample(1, 4, 0.9)),
+               (90.0, EngineSample(50, 4, 1.0))]  # the last is older than 5 s: ignored
+    got = aggregate(samples, 3, 100.0, max_age_s=5.0, min_coverage=0.5)
+    assert (got.waiting, got.running, got.fresh, got.stale) == (3, 8, 2, False)
+    assert (got.kv_usage_max, got.kv_usage_mean) == (0.9, pytest.approx(0.7))
+    assert aggregate(samples, 3, 100.0, max_age_s=5.0, min_coverage=0.9).stale
+    assert aggregate([], 0, 100.0, max_age_s=5.0, min_coverage=0.5).stale
+
+
+def engines(waiting: int, running: int, stale: bool = False) -> PoolStats:
+    return PoolStats(waiting, running, None, None, targets=2, fresh=2, stale=stale)
+
+
+@pytest.mark.parametrize(("ledger", "waiting", "running", "extra", "extra_ms"), [
+    (Snapshot(20, 40_000.0), 2, 20, 0, 0.0),  # within tolerance: 22 <= 20 x 1.25 + 2
+    (Snapshot(20, 40_000.0), 10, 20, 3, 6_000.0),  # 30 > 27: 3 unseen, at the 2 s mean charge
+    (Snapshot(20, 40_000.0), 0, 10, 0, 0.0),  # engines hold fewer: never loosen
+    (Snapshot(0, 0.0), 8, 4, 10, 30_000.0),  # empty ledger: the fallback charge, 3 s each
+])
+def test_correction(ledger: Snapshot, waiting: int, running: int, extra: int,
+                    extra_ms: float) -> None:
+    got = correction(ledger, engines(waiting, running), fallback_request_ms=3_000.0)
+    assert (got.extra_inflight, got.extra_ms) == (extra, pytest.approx(extra_ms))
+    corrected = got.apply(ledger)
+    assert corrected.inflight == ledger.inflight + extra
+    assert corrected.outstanding_ms == pytest.approx(ledger.outstanding_ms + extra_ms)
+
+
+def test_stale_or_missing_engine_stats_never_tighten() -> None:
+    ledger = Snapshot(1, 1000.0)
+    assert correction(ledger, engines(500, 500, stale=True),
+                      fallback_request_ms=1.0).apply(ledger) == ledger
+    assert correction(ledger, None, fallback_request_ms=1.0).apply(ledger) == ledger
+
+
+# --- real fake-backend processes --------------------------------------------------------------
+
+@pytest.fixture
+def backends(tmp_path: Path) -> Iterator[list[tuple[str, Process]]]:
+    """Two fake vLLM replicas: one sequence at a time, a 10,000-token KV cache."""
+    procs = []
+    for i in range(2):
+        port = free_port()
+        proc = Process(f"backend{i}", [sys.executable, "-m", "extproc", "fake-backend",
+                                       "--port", str(port), "--max-running", "1",
+                                       "--kv-cache-tokens", "10000"], tmp_path)
+        procs.append((f"127.0.0.1:{port}", proc))
+    for addr, proc in procs:
+        wait_http(f"http://{addr}/health", proc=proc.popen)
+    yield procs
+    for _, proc in procs:
+        proc.stop()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_scrapes_real_replicas_and_flags_stale(backends: list[tuple[str, Process]]) -> None:
+    (addr0, _), (addr1, proc1) = backends
+    clock = Clock()
+    stats = EngineStats({"llama": [addr0, addr1]}, timeout_s=0.5, max_age_s=5.0, clock=clock)
+    idle = await stats.scrape("llama")
+    assert (idle.waiting, idle.running, idle.fresh, idle.stale) == (0, 0, 2, False)
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}],
+            "max_tokens": 300, "extproc_output_tokens": 300}  # ~6 s each at 18.6 ms/token
+    async with aiohttp.ClientSession() as client:
+        calls = [asyncio.create_task(client.post(f"http://{addr0}/v1/chat/completions",
+                                                 json=body)) for _ in range(3)]
+        try:
+            for _ in range(100):
+                busy = await stats.scrape("llama")
+                if busy.total == 3:
+                    break
+                await asyncio.sleep(0.05)
+            # one runs, two wait behind it (max_running 1), all on replica 0
+            assert (busy.waiting, busy.running) == (2, 1)
+            assert busy.kv_usage_max is not None and busy.kv_usage_max > 0
+            assert busy.kv_usage_mean == pytest.approx(busy.kv_usage_max / 2)
+
+            # the engines hold 3, our ledger knew of none: tighten by 3 - (0 + 2) = 1 request
+            fix = correction(Snapshot(0, 0.0), busy, fallback_request_ms=5_000.0)
+            assert (fix.extra_inflight, fix.extra_ms) == (1, 5_000.0)
+
+            proc1.stop()  # replica 1 is gone: its last sample is kept while young
+            kept = await stats.scrape("llama")
+            assert (kept.fresh, kept.stale) == (2, False)
+            assert addr1 in stats.errors()
+            clock.t += 6.0  # ... and dropped once older than max_age_s
+            alone = await stats.scrape("llama")
+            assert (alone.fresh, alone.stale, alone.total) == (1, False, 3)
+            clock.t += 6.0  # nothing scraped since: the aggregate goes stale by itself
+            assert stats.latest("llama").stale
+        finally:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+
+    strict = EngineStats({"llama": [addr0, addr1, f"127.0.0.1:{free_port()}"]},
+                         timeout_s=0.3, min_coverage=0.5)
+    lonely = await strict.scrape("llama")  # 1 of 3 answered
+    assert (lonely.fresh, lonely.stale) == (1, True)
+    assert correction(Snapshot(0, 0.0), lonely, fallback_request_ms=1.0).extra_inflight == 0
