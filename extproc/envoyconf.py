@@ -21,6 +21,7 @@ Choices made here, each matching what the server expects:
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +43,33 @@ class Topology:
     admin_port: int = 9901
     backends: tuple[tuple[str, int], ...] = (("127.0.0.1", 8000),)
     extproc: tuple[str, int] = ("127.0.0.1", 50051)
+    extra_extprocs: tuple[tuple[str, int], ...] = ()  # more replicas sharing one ledger
     fail_open: bool = True
     access_log: bool = False
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
+    if host.startswith("unix:"):
+        return {"pipe": {"path": host.removeprefix("unix:")}}
     return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def extproc_endpoint(listen: str) -> tuple[str, int]:
+    """Where Envoy reaches the server listening on ``listen`` (HOST:PORT or unix:PATH);
+    a wildcard listen address is reached on loopback."""
+    if listen.startswith("unix:"):
+        return listen, 0
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    return ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host), int(port)
 
 
 def _breakers() -> dict[str, Any]:
@@ -116,9 +138,20 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             "clusters": [
                 {
                     "name": "inference",
-                    "type": "STATIC",
+                    # Kubernetes Services are DNS names: resolve them, every address a host
+                    "type": "STATIC" if all(_is_ip(h) for h, _ in topo.backends)
+                    else "STRICT_DNS",
                     "connect_timeout": "1s",
-                    "lb_policy": "LEAST_REQUEST",
+                    # full scan: with few replicas, two random choices often pick the same
+                    # host and overfill it while admission assumes balanced slots
+                    "load_balancing_policy": {"policies": [{"typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.least_request",
+                        "typed_config": {
+                            "@type": _TYPE + "extensions.load_balancing_policies.least_request"
+                                     ".v3.LeastRequest",
+                            "selection_method": "FULL_SCAN",
+                        },
+                    }}]},
                     "per_connection_buffer_limit_bytes": config.max_body_bytes + BUFFER_SLACK_BYTES,
                     "circuit_breakers": _breakers(),
                     "health_checks": [{
@@ -143,7 +176,8 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
                     },
                     "circuit_breakers": _breakers(),
                     "load_assignment": {"cluster_name": "extproc", "endpoints": [{
-                        "lb_endpoints": [{"endpoint": {"address": _address(*topo.extproc)}}],
+                        "lb_endpoints": [{"endpoint": {"address": _address(h, p)}}
+                                         for h, p in (topo.extproc, *topo.extra_extprocs)],
                     }]},
                 },
             ],

@@ -16,21 +16,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from extproc.config import TracingConfig
+
 _PROPAGATOR = TraceContextTextMapPropagator()
-
-
-@dataclass(frozen=True)
-class TracingConfig:
-    endpoint: str | None = None  # OTLP gRPC, e.g. "http://jaeger-collector:4317"; None: off
-    sample_ratio: float = 1.0  # for root spans; a sampled parent (Envoy's) is always followed
-    service_name: str = "extproc"
 
 
 class DecisionSpan:

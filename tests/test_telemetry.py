@@ -1,6 +1,7 @@
 import time
 
-from extproc.telemetry import Tracing, TracingConfig
+from extproc.config import TracingConfig
+from extproc.telemetry import Tracing
 from tests.otlp_receiver import Receiver
 
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
