@@ -1,4 +1,4 @@
-"""The ``extproc`` command: serve, demo, fake-backend, envoy-config."""
+"""The ``extproc`` command: serve, demo, fake-backend, envoy-config, replay."""
 
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ def _envoy_config(args: argparse.Namespace) -> int:
     config = _load_config(args.config)
     backends = tuple(_host_port(b) for b in args.backend or ["127.0.0.1:8000"])
     topo = envoyconf.Topology(
-        listen_port=args.port, admin_port=args.admin_port, backends=backends,
-        extproc=_host_port(config.listen), fail_open=not args.fail_closed,
+        listen_port=args.port, listen_address=args.listen_address, admin_port=args.admin_port,
+        backends=backends, extproc=envoyconf.extproc_endpoint(config.listen),
+        fail_open=not args.fail_closed,
     )
     text = envoyconf.render(config, topo)
     if args.output:
@@ -71,6 +72,18 @@ def _demo(args: argparse.Namespace) -> int:
     from extproc import demo
 
     return demo.main(duration_s=args.duration, rate_x=args.overload, workdir=args.workdir)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from extproc.sim import replay
+
+    return replay.run(
+        trace=args.trace, fmt=args.format, scenario=args.scenario,
+        policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+        out=args.out, config=_load_config(args.config) if args.config else None,
+        replicas=args.replicas, scale=args.scale, rate_x=args.rate_x,
+        max_tokens=args.max_tokens, timeout_s=args.timeout, seed=args.seed,
+        fleet_scale=args.fleet_scale, progress=not args.quiet)
 
 
 def _host_port(value: str) -> tuple[str, int]:
@@ -104,6 +117,8 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("envoy-config", help="render the Envoy bootstrap for these settings")
     e.add_argument("--config")
     e.add_argument("--port", type=int, default=10000)
+    e.add_argument("--listen-address", default="127.0.0.1",
+                   help="where Envoy listens for clients (0.0.0.0 in a pod)")
     e.add_argument("--admin-port", type=int, default=9901)
     e.add_argument("--backend", action="append", help="HOST:PORT of an inference replica")
     e.add_argument("--fail-closed", action="store_true")
@@ -115,6 +130,29 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--overload", type=float, default=3.0, help="offered load / capacity")
     d.add_argument("--workdir", default=".demo")
     d.set_defaults(func=_demo)
+
+    r = sub.add_parser("replay", help="replay a workload against the admission policies side"
+                       " by side (virtual time)")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Azure trace CSV, JSONL jobs, or a decision log")
+    src.add_argument("--scenario", help="built-in scenario: incident, bursty")
+    r.add_argument("--format", choices=["azure", "jsonl", "decisions"],
+                   help="the trace's format (sniffed from its first line by default)")
+    rate = r.add_mutually_exclusive_group()
+    rate.add_argument("--scale", type=float, help="offered load as a multiple of fleet capacity")
+    rate.add_argument("--rate-x", type=float, help="replay at this multiple of the trace's rate")
+    r.add_argument("--policies", default="none,naive,article,default,oracle",
+                   help="comma-separated: none, naive, article, default, oracle")
+    r.add_argument("--config", help="the gateway's YAML config: its first pool is the fleet")
+    r.add_argument("--replicas", type=int, help="fleet size (overrides the config's)")
+    r.add_argument("--max-tokens", type=int, help="max_tokens sent with Azure trace rows")
+    r.add_argument("--timeout", type=float, default=60.0, help="client timeout, seconds")
+    r.add_argument("--fleet-scale", type=float, default=1.0,
+                   help="shrink a built-in scenario's fleet and traffic together")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", help="folder for the JSON summary and the PNG plot")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=_replay)
     return p
 
 

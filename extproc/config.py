@@ -75,16 +75,79 @@ class Pool:
     bytes_per_token: float = 4.0
     message_overhead_tokens: int = 4
     non_text_part_tokens: int = 765
+    # Output-length prediction (extproc.estimate): the mean and a long (~99th percentile)
+    # output of this pool's requests, e.g. from the engines' generation-token histogram.
+    # Unset: requests are charged max_tokens in full (the conservative model).
+    expected_output_tokens: float | None = None
+    long_output_tokens: float | None = None
+    # How sure a predicted queue wait must be: its quantile (admission's docstring).
+    wait_quantile: float = 0.98
 
     def serves(self, model: str) -> bool:
         return model in self.models or "*" in self.models
 
 
+class OnUnavailable(StrEnum):
+    """What a decision does when the shared ledger cannot be reached in time."""
+
+    FAIL_OPEN = "fail_open"  # decide by the local view (last snapshot + own work), count, log
+    FAIL_CLOSED = "fail_closed"  # refuse: 429 with reason ledger_unavailable
+
+
+@dataclass(frozen=True)
+class RedisTls:
+    """TLS towards Redis: on for ``rediss://`` URLs, or with ``enabled`` (Sentinel)."""
+
+    enabled: bool = False
+    ca_file: str | None = None
+    cert_file: str | None = None  # client certificate, when Redis asks for one
+    key_file: str | None = None
+    check_hostname: bool = True
+
+
+@dataclass(frozen=True)
+class RedisSentinel:
+    addresses: tuple[tuple[str, int], ...]
+    service_name: str
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    failures: int = 5  # consecutive failures that open the breaker
+    cooldown_ms: float = 500.0  # how long it stays open before one trial call
+
+
 @dataclass(frozen=True)
 class LedgerConfig:
+    """``memory`` (default): exact for one gateway replica. ``redis``: shared by replicas.
+
+    The Redis settings below are used only with ``kind: redis``. The password is kept out of
+    ``repr`` (and so out of logs); prefer ``password_file`` or ``password_env``.
+    """
+
     kind: str = "memory"
     lease_grace_ms: float = 30_000.0
     sweep_interval_ms: float = 1_000.0
+    url: str | None = None  # redis://, rediss:// (TLS) or unix:// ; a seed node for a cluster
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    password_file: str | None = None
+    password_env: str | None = None
+    tls: RedisTls = field(default_factory=RedisTls)
+    sentinel: RedisSentinel | None = None
+    cluster: bool = False
+    key_prefix: str = "extproc"
+    timeout_ms: float = 50.0  # connect and socket timeout of every Redis call
+    decision_deadline_ms: float = 75.0  # the most one decision waits on the ledger in total
+    on_unavailable: OnUnavailable = OnUnavailable.FAIL_OPEN
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    endpoint: str | None = None  # OTLP gRPC, e.g. "http://jaeger-collector:4317"; None: off
+    sample_ratio: float = 1.0  # for root spans; a sampled parent (Envoy's) is always followed
+    service_name: str = "extproc"
 
 
 @dataclass(frozen=True)
@@ -108,6 +171,8 @@ class Config:
     drain_grace_s: float = 25.0
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     retry_after: RetryAfter = field(default_factory=RetryAfter)
+    decision_log: str | None = None  # JSONL of every decision, for extproc replay
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def route(self, path: str) -> Route | None:
         """The route for a request path (query string ignored), or None to pass it untouched."""
@@ -211,6 +276,11 @@ def _address(v: str) -> str | None:
     return None if sep and host and port.isdigit() else "must be HOST:PORT or unix:PATH"
 
 
+def _writable_dir(v: str) -> str | None:
+    parent = Path(v).parent
+    return None if parent.is_dir() else f"no such directory {str(parent)!r}"
+
+
 def load(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML configuration file."""
     try:
@@ -233,14 +303,7 @@ def from_mapping(raw: Any) -> Config:
     routes = _routes(r, top.pop("routes", None), classes)
     pools = _pools(r, top.pop("pools", None))
 
-    led = r.section(top.pop("ledger", None), "ledger")
-    ledger = LedgerConfig(
-        kind=r.take(led, "ledger.", "kind", str, "memory",
-                    lambda v: None if v in ("memory",) else "must be 'memory'"),
-        lease_grace_ms=r.take(led, "ledger.", "lease_grace_ms", float, 30_000.0, _positive),
-        sweep_interval_ms=r.take(led, "ledger.", "sweep_interval_ms", float, 1_000.0, _positive),
-    )
-    r.leftovers(led, "ledger.")
+    ledger = _ledger(r, top.pop("ledger", None))
 
     ra = r.section(top.pop("retry_after", None), "retry_after")
     retry_after = RetryAfter(
@@ -257,6 +320,18 @@ def from_mapping(raw: Any) -> Config:
             f" (got {retry_after.max_s})"
         )
 
+    tr = r.section(top.pop("tracing", None), "tracing")
+    tracing = TracingConfig(
+        endpoint=r.take(tr, "tracing.", "endpoint", str, "",
+                        lambda v: None if v.startswith(("http://", "https://"))
+                        else "must be an http:// or https:// URL") or None,
+        sample_ratio=r.take(tr, "tracing.", "sample_ratio", float, 1.0,
+                            lambda v: None if 0 <= v <= 1 else "must be in [0, 1]"),
+        service_name=r.take(tr, "tracing.", "service_name", str, "extproc",
+                            lambda v: None if v else "must not be empty"),
+    )
+    r.leftovers(tr, "tracing.")
+
     config = Config(
         pools=pools,
         classes=classes,
@@ -271,11 +346,154 @@ def from_mapping(raw: Any) -> Config:
         drain_grace_s=r.take(top, "", "drain_grace_s", float, 25.0, _non_negative),
         ledger=ledger,
         retry_after=retry_after,
+        decision_log=r.take(top, "", "decision_log", str, "", _writable_dir) or None,
+        tracing=tracing,
     )
     r.leftovers(top, "")
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError("must be true or false")
+    return value
+
+
+def _existing_file(v: str) -> str | None:
+    return None if Path(v).is_file() else "no such file"
+
+
+def _ledger(r: _Reader, raw: Any) -> LedgerConfig:
+    """The ``ledger`` section; Redis keys are checked only with ``kind: redis``."""
+    p = "ledger."
+    led = r.section(raw, "ledger")
+    d = LedgerConfig()
+    kind = r.take(led, p, "kind", str, "memory",
+                  lambda v: None if v in ("memory", "redis") else "must be 'memory' or 'redis'")
+    grace = r.take(led, p, "lease_grace_ms", float, d.lease_grace_ms, _positive)
+    sweep = r.take(led, p, "sweep_interval_ms", float, d.sweep_interval_ms, _positive)
+    if kind != "redis":
+        for key in [k for k in led if k in _REDIS_KEYS]:
+            r.problems.append(f"{p}{key}: only used with ledger.kind 'redis' (kind is {kind!r})")
+            led.pop(key)
+        r.leftovers(led, p)
+        return LedgerConfig(kind=kind, lease_grace_ms=grace, sweep_interval_ms=sweep)
+
+    # The URL and the password may carry a secret: their errors never quote the value.
+    url = _secret(r, led, p, "url", _redis_url)
+    secrets = [k for k in ("password", "password_file", "password_env") if k in led]
+    if len(secrets) > 1:
+        r.problems.append(f"{p}{secrets[1]}: give only one of password, password_file,"
+                          f" password_env (got {', '.join(secrets)})")
+    password = _secret(r, led, p, "password", lambda v: None if v else "must not be empty")
+    password_file = r.take(led, p, "password_file", str, "", _existing_file) or None
+    password_env = r.take(led, p, "password_env", str, "",
+                          lambda v: None if v else "must not be empty") or None
+    username = r.take(led, p, "username", str, "") or None
+    tls = _tls(r, led.pop("tls", None))
+    sentinel = _sentinel(r, led.pop("sentinel", None))
+    cluster = r.take(led, p, "cluster", _flag, False)
+    if url is None and sentinel is None:
+        r.problems.append(f"{p}url: required with kind 'redis' (or give ledger.sentinel)")
+    if cluster and sentinel is not None:
+        r.problems.append(f"{p}cluster: cannot be combined with ledger.sentinel")
+    if cluster and url is not None and url.startswith("unix:"):
+        r.problems.append(f"{p}cluster: a cluster is not reached over a unix socket URL")
+    if url is not None and url.startswith("unix:") and tls.enabled:
+        r.problems.append(f"{p}tls.enabled: not with a unix socket URL")
+    timeout_ms = r.take(led, p, "timeout_ms", float, d.timeout_ms, _positive)
+    deadline_ms = r.take(led, p, "decision_deadline_ms", float, d.decision_deadline_ms,
+                         _positive)
+    brk = r.section(led.pop("breaker", None), "ledger.breaker")
+    breaker = BreakerConfig(
+        failures=r.take(brk, p + "breaker.", "failures", int, 5,
+                        lambda v: None if v >= 1 else "must be >= 1"),
+        cooldown_ms=r.take(brk, p + "breaker.", "cooldown_ms", float, 500.0, _non_negative),
+    )
+    r.leftovers(brk, p + "breaker.")
+    config = LedgerConfig(
+        kind=kind, lease_grace_ms=grace, sweep_interval_ms=sweep, url=url, username=username,
+        password=password, password_file=password_file, password_env=password_env, tls=tls,
+        sentinel=sentinel, cluster=cluster,
+        key_prefix=r.take(led, p, "key_prefix", str, d.key_prefix,
+                          lambda v: None if v and not set(v) & set("{} ")
+                          else "must be non-empty, without braces or spaces"),
+        timeout_ms=timeout_ms,
+        decision_deadline_ms=deadline_ms,
+        on_unavailable=r.take(led, p, "on_unavailable", _enum(OnUnavailable),
+                              OnUnavailable.FAIL_OPEN),
+        breaker=breaker,
+    )
+    r.leftovers(led, p)
+    return config
+
+
+_REDIS_KEYS = frozenset({
+    "url", "username", "password", "password_file", "password_env", "tls", "sentinel",
+    "cluster", "key_prefix", "timeout_ms", "decision_deadline_ms", "on_unavailable", "breaker",
+})
+
+
+def _secret(r: _Reader, raw: dict[str, Any], prefix: str, key: str,
+            check: Callable[[str], str | None]) -> str | None:
+    """A string that may hold a credential: like ``take``, but errors never echo it."""
+    if key not in raw:
+        return None
+    value = raw.pop(key)
+    why = "must be a string" if not isinstance(value, str) else check(value)
+    if why is not None:
+        r.problems.append(f"{prefix}{key}: {why} (value not shown)")
+        return None
+    return str(value)
+
+
+def _redis_url(v: str) -> str | None:
+    scheme, sep, rest = v.partition("://")
+    if not sep or scheme not in ("redis", "rediss", "unix") or not rest:
+        return "must be a redis://, rediss:// or unix:// URL"
+    return None
+
+
+def _tls(r: _Reader, raw: Any) -> RedisTls:
+    p = "ledger.tls."
+    body = r.section(raw, "ledger.tls")
+    tls = RedisTls(
+        enabled=r.take(body, p, "enabled", _flag, False),
+        ca_file=r.take(body, p, "ca_file", str, "", _existing_file) or None,
+        cert_file=r.take(body, p, "cert_file", str, "", _existing_file) or None,
+        key_file=r.take(body, p, "key_file", str, "", _existing_file) or None,
+        check_hostname=r.take(body, p, "check_hostname", _flag, True),
+    )
+    r.leftovers(body, p)
+    if (tls.cert_file is None) != (tls.key_file is None):
+        r.problems.append(f"{p}key_file: cert_file and key_file go together")
+    return tls
+
+
+def _sentinel(r: _Reader, raw: Any) -> RedisSentinel | None:
+    if raw is None:
+        return None
+    p = "ledger.sentinel."
+    body = r.section(raw, "ledger.sentinel")
+    addresses: list[tuple[str, int]] = []
+    items = body.pop("addresses", None)
+    if not isinstance(items, list) or not items:
+        r.problems.append(f"{p}addresses: must be a non-empty list of HOST:PORT (got {items!r})")
+    else:
+        for i, item in enumerate(items):
+            host, _, port = str(item).rpartition(":")
+            if not (isinstance(item, str) and host and port.isdigit()):
+                r.problems.append(f"{p}addresses[{i}]: must be HOST:PORT (got {item!r})")
+            else:
+                addresses.append((host, int(port)))
+    if "service_name" not in body:
+        r.problems.append(f"{p}service_name: required")
+    name = r.take(body, p, "service_name", str, "",
+                  lambda v: None if v else "must not be empty")
+    r.leftovers(body, p)
+    return RedisSentinel(addresses=tuple(addresses), service_name=name)
 
 
 def _enum(kind: type[Any]) -> Callable[[Any], Any]:
@@ -365,9 +583,24 @@ def _pools(r: _Reader, raw: Any) -> tuple[Pool, ...]:
                                            d.message_overhead_tokens, _non_negative),
             non_text_part_tokens=r.take(body, p, "non_text_part_tokens", int,
                                         d.non_text_part_tokens, _non_negative),
+            **_output_lengths(r, body, p),
         ))
         r.leftovers(body, p)
     names = [p.name for p in pools]
     for dup in sorted({n for n in names if names.count(n) > 1}):
         r.problems.append(f"pools: duplicate name {dup!r}")
     return tuple(pools)
+
+
+def _output_lengths(r: _Reader, body: dict[str, Any], p: str) -> dict[str, Any]:
+    """A pool's output-length prediction (both optional, a long output never below the mean)
+    and the quantile its queue-wait predictions are held to."""
+    expected = r.take(body, p, "expected_output_tokens", float, 0.0, _positive) or None
+    long = r.take(body, p, "long_output_tokens", float, 0.0, _positive) or None
+    if expected is not None and long is not None and long < expected:
+        r.problems.append(f"{p}long_output_tokens: must be >= {p}expected_output_tokens"
+                          f" ({expected:g}) (got {long:g})")
+    quantile = r.take(body, p, "wait_quantile", float, Pool.wait_quantile,
+                      lambda v: None if 0.5 <= v < 1 else "must be in [0.5, 1)")
+    return {"expected_output_tokens": expected, "long_output_tokens": long,
+            "wait_quantile": quantile}

@@ -7,6 +7,24 @@ releases the entry when the request ends, however it ends. While a request runs 
 renewed every third of its length, so a long generation is never reclaimed.
 
 The server adapter maps the ``Verdict`` to Envoy's answer; nothing here knows about Envoy.
+
+The ledger may be shared (Redis) and may fail. A decision's ledger calls (snapshot, then the
+atomic reserve against the decision's ``ceiling_ms``) together get ``decision_deadline_ms``.
+If another gateway took the room between our snapshot and our reserve, the ledger refuses and
+the request is decided again on a fresh snapshot (``RESERVE_ATTEMPTS`` in all). When the ledger
+is unavailable (``LedgerUnavailable``, or the deadline passed) the configured policy decides:
+
+- ``fail_open``: decide by the local view, the last snapshot the ledger gave for the pool moved
+  by this process's own admissions and completions since. Other gateways' work since then is
+  unseen, so over-admission is bounded by what they admit during the outage. An admitted
+  request keeps a ticket; its renewer records it in the ledger as soon as the ledger answers.
+- ``fail_closed``: refuse with 429 ``ledger_unavailable`` (the Retry-After minimum).
+
+Both are counted (``extproc_ledger_unavailable_decisions_total``) and logged once per outage,
+never with request content. Renewals and releases never fail a request: a renewal that finds
+its entry gone (its lease lapsed during an outage, a failover lost it, it was never recorded)
+records it again, because the request is demonstrably still running; a release the ledger did
+not take is retried by the sweeper (release is idempotent by id), and the lease ends it anyway.
 """
 
 from __future__ import annotations
@@ -17,13 +35,15 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from extproc.admission import Cost, Decision, Outcome, Policy, Reason, decide
+from extproc import decisionlog
+from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot, decide
 from extproc.capacity import CapacitySource
-from extproc.config import Config, Infeasible, Mode, Pool, Route
-from extproc.errors import BadRequest, RequestError
+from extproc.config import Config, Infeasible, Mode, OnUnavailable, Pool, Route
+from extproc.errors import BadRequest, LedgerUnavailable, RequestError
 from extproc.estimate import TokenCounter, counter_for, estimate
 from extproc.ledger import Entry, Ledger
 from extproc.metrics import Metrics
@@ -32,6 +52,12 @@ from extproc.request import InferenceRequest, parse
 log = logging.getLogger(__name__)
 
 THREAD_COUNT_CHARS = 16 * 1024  # prompts longer than this are tokenized off the event loop
+RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking the room
+RECORD_RETRY_S = 1.0  # how soon a renewer retries when the ledger did not answer
+RENEWER_STOP_S = 1.0  # how long a release waits for a cancelled renewal to finish
+MAX_DEFERRED_RELEASES = 100_000  # beyond this, a lost release is left to its lease
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,6 +69,24 @@ class Ticket:
     service_class: str
     lease_ms: float
     renewer: asyncio.Task[None] | None = field(default=None, repr=False)
+    cost_ms: float = 0.0  # its ledger charge
+    recorded: bool = True  # False when admitted while the ledger was unavailable
+    settled: bool = False  # set by ``Gate.settle``: the renewer stops even if its cancel is lost
+    log: decisionlog.Pending | None = field(default=None, repr=False)  # its decision log line
+
+
+@dataclass
+class _View:
+    """One pool's local view: the ledger's last snapshot, plus this process's own admissions
+    and minus its own completions since. The decision's input while the ledger is away."""
+
+    base: Snapshot = field(default_factory=lambda: Snapshot(inflight=0, outstanding_ms=0.0))
+    inflight: int = 0
+    outstanding_ms: float = 0.0
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(inflight=max(0, self.base.inflight + self.inflight),
+                        outstanding_ms=max(0.0, self.base.outstanding_ms + self.outstanding_ms))
 
 
 @dataclass(frozen=True)
@@ -82,6 +126,12 @@ class Gate:
         self._counters = dict(counters) if counters is not None else {
             p.name: counter_for(p) for p in config.pools
         }
+        self._views: dict[str, _View] = {}
+        self.decision_log = (decisionlog.DecisionLog(config.decision_log)
+                             if config.decision_log else None)
+        self._deferred: dict[str, str] = {}  # request id -> pool: releases to retry
+        self._down_since: float | None = None  # the ledger has been unavailable since
+        self._down_decisions = 0
         for pool in config.pools:
             if not self._counters[pool.name].exact:
                 log.warning("pool %s has no tokenizer: prompt tokens are estimated at %.1f bytes"
@@ -125,22 +175,122 @@ class Gate:
             cost = await self._estimate(request, pool)
         except RequestError as exc:
             return self._refuse(exc, pool.name, cls)
+        verdict = await self._admit(pool, cls, cost, policy)
+        if self.decision_log is not None:
+            self._log_decision(verdict, cost, policy)
+        return verdict
 
-        snapshot = await self.ledger.snapshot(pool.name)
-        self.metrics.outstanding.labels(pool.name).set(snapshot.outstanding_ms / 1000.0)
-        decision = decide(cost, snapshot, self.capacity.capacity(pool.name), policy,
-                          now=self._clock())
+    def _log_decision(self, verdict: Verdict, cost: Cost, policy: Policy) -> None:
+        """One line for ``extproc replay`` (``extproc.decisionlog``): written now, or when the
+        request's stream ends if it runs (the line then carries its measured duration)."""
+        assert self.decision_log is not None
+        d = verdict.decision
+        record = decisionlog.Record(
+            time.time(), verdict.pool or "", verdict.service_class or "", cost.prompt_tokens,
+            cost.output_tokens, policy.deadline_ms, verdict.outcome.value,
+            verdict.reason.value, self.config.mode.value,
+            d.completion_ms if d else None, d.wait_ms if d else None)
+        if verdict.ticket is not None:
+            verdict.ticket.log = decisionlog.Pending(record, self._clock())
+        else:
+            self.decision_log.write(record)
+
+    async def _admit(self, pool: Pool, cls: str, cost: Cost, policy: Policy) -> Verdict:
+        """Decide on the ledger's snapshot and record atomically, within the deadline; apply
+        the fault policy when the ledger does not answer (module docstring)."""
+        capacity = self.capacity.capacity(pool.name)
+        request_id = uuid.uuid4().hex
+        sent = False  # a reserve went out: it may have landed even if no answer came back
+        try:
+            async with asyncio.timeout(self.config.ledger.decision_deadline_ms / 1000.0):
+                for _ in range(RESERVE_ATTEMPTS):
+                    snapshot = await self._ledger("snapshot", self.ledger.snapshot(pool.name))
+                    self._views[pool.name] = _View(snapshot)
+                    self._ledger_back()
+                    self.metrics.outstanding.labels(pool.name).set(
+                        snapshot.outstanding_ms / 1000.0)
+                    verdict = self._verdict(
+                        decide(cost, snapshot, capacity, policy, now=self._clock()),
+                        pool.name, cls, cost)
+                    if verdict.blocks:
+                        return verdict
+                    entry = self._entry(request_id, pool.name, verdict)
+                    # Shadow mode and infeasible-but-passed requests run whatever the ledger
+                    # holds: they are recorded without a ceiling.
+                    ceiling = verdict.decision.ceiling_ms if verdict.decision else None
+                    sent = True
+                    if await self._ledger("reserve", self.ledger.reserve(
+                            entry, ceiling if verdict.enforced else None)):
+                        return dataclasses.replace(verdict, ticket=self._ticket(entry, cls))
+                    # Refused: another gateway took the room since our snapshot. Again.
+                return _contended(verdict)
+        except (LedgerUnavailable, TimeoutError) as exc:
+            return self._unavailable(exc, request_id if sent else None, pool.name, cls, cost,
+                                     policy, capacity)
+        except asyncio.CancelledError:
+            if sent:  # the stream went away mid-decision: undo a reserve that may have landed
+                self._defer_release(request_id, pool.name)
+            raise
+
+    def _verdict(self, decision: Decision, pool: str, cls: str, cost: Cost) -> Verdict:
         enforced = self.config.mode is Mode.ENFORCE
-        verdict = Verdict(decision.outcome, decision.reason, pool.name, cls, decision,
+        verdict = Verdict(decision.outcome, decision.reason, pool, cls, decision,
                           enforced=enforced, prompt_tokens=cost.prompt_tokens)
         if decision.reason is Reason.INFEASIBLE and self.config.infeasible is Infeasible.REJECT:
             error = BadRequest(
                 "request cannot finish within its deadline even on an idle fleet; lower"
                 " max_tokens or raise the deadline", code="deadline_infeasible")
             verdict = dataclasses.replace(verdict, outcome=Outcome.INVALID, error=error)
+        return verdict
+
+    def _unavailable(self, exc: Exception, sent: str | None, pool: str, cls: str, cost: Cost,
+                     policy: Policy, capacity: Capacity) -> Verdict:
+        """The fault policy. The decision is always made on the local view (fail-closed
+        keeps it only for metrics and the Retry-After hint, and for shadow mode)."""
+        on_unavailable = self.config.ledger.on_unavailable
+        self._ledger_away(exc, on_unavailable)
+        self.metrics.ledger_fallbacks.labels(pool, on_unavailable.value).inc()
+        view = self._views.setdefault(pool, _View())
+        verdict = self._verdict(decide(cost, view.snapshot(), capacity, policy,
+                                       now=self._clock()), pool, cls, cost)
+        if on_unavailable is OnUnavailable.FAIL_CLOSED and verdict.outcome is not Outcome.INVALID:
+            # Fail-closed: we cannot record the request, so we do not let it run.
+            verdict = dataclasses.replace(verdict, outcome=Outcome.REJECT,
+                                          reason=Reason.LEDGER_UNAVAILABLE)
         if verdict.blocks:
+            if sent is not None:
+                self._defer_release(sent, pool)
             return verdict
-        return dataclasses.replace(verdict, ticket=await self._reserve(pool, cls, decision))
+        # Fail-open (or shadow mode): it runs, so it is counted locally and recorded later.
+        entry = self._entry(sent or uuid.uuid4().hex, pool, verdict)
+        return dataclasses.replace(verdict, ticket=self._ticket(entry, cls, recorded=False))
+
+    def _ledger_away(self, exc: Exception, on_unavailable: OnUnavailable) -> None:
+        self._down_decisions += 1
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            why = str(exc) or (f"no answer within decision_deadline_ms"
+                               f" ({self.config.ledger.decision_deadline_ms:g} ms)")
+            log.warning("ledger unavailable: deciding %s until it answers again (%s)",
+                        on_unavailable.value, why)
+
+    def _ledger_back(self) -> None:
+        if self._down_since is not None:
+            log.warning("ledger available again after %.1f s; %d decisions were made without"
+                        " it", time.monotonic() - self._down_since, self._down_decisions)
+            self._down_since = None
+            self._down_decisions = 0
+
+    async def _ledger(self, op: str, call: Awaitable[T]) -> T:
+        """One ledger call, timed; a failure is counted and re-raised."""
+        started = time.perf_counter()
+        try:
+            return await call
+        except LedgerUnavailable:
+            self.metrics.ledger_errors.labels(op).inc()
+            raise
+        finally:
+            self.metrics.ledger_seconds.labels(op).observe(time.perf_counter() - started)
 
     def refuse(self, error: RequestError, service_class: str) -> Verdict:
         """A verdict for a request refused before it could be checked (e.g. too large)."""
@@ -160,34 +310,82 @@ class Gate:
             return await asyncio.to_thread(estimate, request, pool, counter)
         return estimate(request, pool, counter)
 
-    async def _reserve(self, pool: Pool, cls: str, decision: Decision) -> Ticket:
-        """Record a request that will run. Every request that reaches the backend is in the
-        ledger, admitted or not (shadow mode, infeasible-passed): it occupies the GPUs."""
-        lease_ms = decision.completion_ms + self.config.ledger.lease_grace_ms
-        ticket = Ticket(uuid.uuid4().hex, pool.name, cls, lease_ms)
-        await self.ledger.reserve(Entry(ticket.request_id, pool.name, decision.service_ms,
-                                        lease_ms))
+    def _entry(self, request_id: str, pool: str, verdict: Verdict) -> Entry:
+        """Every request that reaches the backend is in the ledger, admitted or not (shadow
+        mode, infeasible-passed): it occupies the GPUs. Its lease: expected finish + grace."""
+        assert verdict.decision is not None
+        lease_ms = verdict.decision.completion_ms + self.config.ledger.lease_grace_ms
+        return Entry(request_id, pool, verdict.decision.service_ms, lease_ms)
+
+    def _ticket(self, entry: Entry, cls: str, *, recorded: bool = True) -> Ticket:
+        ticket = Ticket(entry.request_id, entry.pool, cls, entry.lease_ms, cost_ms=entry.cost_ms,
+                        recorded=recorded)
         ticket.renewer = asyncio.create_task(self._renew(ticket))
-        self.metrics.inflight(pool.name, +1)
+        view = self._views.setdefault(entry.pool, _View())
+        view.inflight += 1
+        view.outstanding_ms += entry.cost_ms
+        self.metrics.inflight(entry.pool, +1)
         return ticket
 
     async def _renew(self, ticket: Ticket) -> None:
+        """Renew every third of the lease while the request runs; record the entry again if
+        it is gone (module docstring); retry sooner while the ledger does not answer."""
+        period = ticket.lease_ms / 3000.0
+        ok = ticket.recorded
         while True:
-            await asyncio.sleep(ticket.lease_ms / 3000.0)
-            await self.ledger.renew(ticket.request_id, ticket.pool, ticket.lease_ms)
+            await asyncio.sleep(period if ok else min(period, RECORD_RETRY_S))
+            if ticket.settled:
+                return
+            try:
+                if not await self._ledger("renew", self.ledger.renew(
+                        ticket.request_id, ticket.pool, ticket.lease_ms)):
+                    await self._ledger("reserve", self.ledger.reserve(Entry(
+                        ticket.request_id, ticket.pool, ticket.cost_ms, ticket.lease_ms)))
+                ok = ticket.recorded = True
+            except LedgerUnavailable:
+                ok = False
 
     async def settle(self, ticket: Ticket) -> None:
         """Release a ticket's entry; shielded, so a cancelled stream still releases."""
+        ticket.settled = True
         if ticket.renewer is not None:
             ticket.renewer.cancel()
+        if ticket.log is not None and self.decision_log is not None:
+            self.decision_log.end(ticket.log, self._clock())
+            ticket.log = None
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(self._release(ticket))
 
     async def _release(self, ticket: Ticket) -> None:
-        if await self.ledger.release(ticket.request_id, ticket.pool):
-            self.metrics.inflight(ticket.pool, -1)
+        if ticket.renewer is not None:  # let a renewal in flight finish before we release
+            await asyncio.wait({ticket.renewer}, timeout=RENEWER_STOP_S)
+        self.metrics.inflight(ticket.pool, -1)
+        view = self._views.get(ticket.pool)
+        if view is not None:
+            view.inflight -= 1
+            view.outstanding_ms -= ticket.cost_ms
+        try:
+            await self._ledger("release", self.ledger.release(ticket.request_id, ticket.pool))
+        except LedgerUnavailable:
+            self._defer_release(ticket.request_id, ticket.pool)
+
+    def _defer_release(self, request_id: str, pool: str) -> None:
+        if len(self._deferred) < MAX_DEFERRED_RELEASES:
+            self._deferred[request_id] = pool
 
     async def sweep(self) -> int:
-        """Expire entries whose lease ended (the backstop for lost streams)."""
-        return await self.ledger.expire()
+        """Retry releases the ledger did not take, then expire entries whose lease ended (the
+        backstop for lost streams). Raises ``LedgerUnavailable``; the next sweep retries."""
+        for request_id, pool in list(self._deferred.items()):
+            await self._ledger("release", self.ledger.release(request_id, pool))
+            del self._deferred[request_id]
+        return await self._ledger("expire", self.ledger.expire())
 
+
+def _contended(verdict: Verdict) -> Verdict:
+    """Every reserve was refused: other gateways keep filling the room we saw. A 429."""
+    assert verdict.decision is not None
+    decision = dataclasses.replace(verdict.decision, outcome=Outcome.REJECT,
+                                   reason=Reason.DEADLINE, ceiling_ms=None)
+    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=Reason.DEADLINE,
+                               decision=decision)

@@ -49,6 +49,29 @@ class Metrics:
             "Estimated GPU work owed to in-flight requests, per pool, at the last decision.",
             ["pool"], registry=self.registry)
 
+        self.ledger_seconds = Histogram(
+            "extproc_ledger_call_duration_seconds",
+            "Ledger calls (snapshot, reserve, release, renew, expire), however they ended.",
+            ["op"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ledger_errors = Counter(
+            "extproc_ledger_errors",
+            "Ledger calls that failed: store unreachable, too slow, or refused by the breaker.",
+            ["op"], registry=self.registry)
+        self.ledger_fallbacks = Counter(
+            "extproc_ledger_unavailable_decisions",
+            "Decisions made without the ledger, by fault policy (fail_open: on the local"
+            " view; fail_closed: refused).", ["pool", "policy"], registry=self.registry)
+        self.ledger_breaker_state = Gauge(
+            "extproc_ledger_breaker_state",
+            "Circuit breaker towards the ledger's store: 0 closed, 1 half-open, 2 open.",
+            registry=self.registry)
+        self.ledger_up = Gauge(
+            "extproc_ledger_up", "1 while the ledger answers its health probe, else 0.",
+            registry=self.registry)
+
+    def ledger_breaker(self, state: int) -> None:
+        self.ledger_breaker_state.set(int(state))
+
     def observe(self, verdict: Verdict, mode: Mode, seconds: float) -> None:
         pool = verdict.pool or ""
         cls = verdict.service_class or ""

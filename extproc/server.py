@@ -10,6 +10,14 @@ BUFFERED_PARTIAL: Envoy buffers up to its limit (set just above ``max_body_bytes
 what it has; a body that did not end within the limit, or a ``content-length`` over the cap,
 gets our 413 JSON instead of Envoy's plain-text error.
 
+Health: the process serves ``""`` and the ext_proc service name while it runs. The ledger has
+a service name of its own, ``extproc.ledger``: SERVING while the ledger answers its probe
+(every quarter second), NOT_SERVING while it does not. The processor keeps answering either
+way, by the ledger's fault policy, so Envoy never loses its processor to a Redis outage; an
+operator who wants pods out of rotation while Redis is away (fail-closed deployments) probes
+``extproc.ledger``. Starting without Redis is not an error: the process serves, reports the
+ledger down and recovers on its own.
+
 Drain (SIGTERM): health turns NOT_SERVING at once; new streams are still served (Envoy in the
 same pod is draining too, and refusing them would turn into 5xx), until no stream has been
 open for a second or ``drain_grace_s`` has passed; then the process exits.
@@ -18,7 +26,6 @@ open for a second or ``drain_grace_s`` has passed; then the process exits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import signal
@@ -34,14 +41,26 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from extproc import responses
 from extproc.capacity import StaticCapacity
 from extproc.config import Config
-from extproc.errors import BodyTooLarge
+from extproc.errors import BodyTooLarge, LedgerUnavailable
 from extproc.gate import Gate, Ticket, Verdict
+from extproc.ledger import Ledger
 from extproc.ledger.memory import MemoryLedger
+from extproc.ledger.redis import RedisLedger
 from extproc.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+LEDGER_SERVICE = "extproc.ledger"
+LEDGER_PROBE_S = 0.25
+
+
+def build_ledger(config: Config, metrics: Metrics) -> Ledger:
+    """The configured ledger; nothing is connected yet (a missing Redis is not fatal)."""
+    if config.ledger.kind == "redis":
+        return RedisLedger.from_config(config.ledger, [p.name for p in config.pools],
+                                       on_breaker=metrics.ledger_breaker)
+    return MemoryLedger()
 _SKIP_BODY = processing_mode_pb2.ProcessingMode(
     request_body_mode=processing_mode_pb2.ProcessingMode.NONE)
 
@@ -142,8 +161,9 @@ class Service:
     def __init__(self, config: Config, gate: Gate | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.gate = gate or Gate(config, MemoryLedger(), StaticCapacity(config.pools),
-                                 self.metrics)
+        self.gate = gate or Gate(config, build_ledger(config, self.metrics),
+                                 StaticCapacity(config.pools), self.metrics)
+        self.ledger_up: bool | None = None
         self.processor = Processor(self.gate)
         self.health = health.aio.HealthServicer()
         # The body arrives in one message. Envoy cuts an oversize body only after its buffer
@@ -161,12 +181,16 @@ class Service:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
+        self._closing = False  # background loops end on it even if a cancellation is lost
 
     async def start(self) -> None:
         self.grpc_port = self.server.add_insecure_port(self.config.listen)
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.probe_ledger()
+        if isinstance(self.gate.ledger, RedisLedger):
+            self._tasks.append(asyncio.create_task(self._watch_ledger()))
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
@@ -185,13 +209,42 @@ class Service:
                             headers={"X-Content-Type": "version=0.0.4"})
 
     async def _sweep(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.config.ledger.sweep_interval_ms / 1000.0)
             try:
                 if dropped := await self.gate.sweep():
                     log.warning("expired %d ledger entries whose lease ended", dropped)
+            except LedgerUnavailable as exc:  # the health probe reports the outage
+                log.debug("lease sweep skipped: %s", exc)
             except Exception:
                 log.exception("lease sweep failed")
+
+    async def probe_ledger(self) -> bool:
+        """Probe the ledger once and report it on ``extproc.ledger`` (and the metric)."""
+        ledger = self.gate.ledger
+        why = ""
+        try:
+            if isinstance(ledger, RedisLedger):
+                await ledger.check()
+            up = True
+        except LedgerUnavailable as exc:
+            up, why = False, str(exc)
+        if up is not self.ledger_up:
+            self.ledger_up = up
+            self.metrics.ledger_up.set(1 if up else 0)
+            serving = health_pb2.HealthCheckResponse
+            await self.health.set(LEDGER_SERVICE, serving.SERVING if up else serving.NOT_SERVING)
+            if up:
+                log.info("ledger available", extra={"ledger": self.config.ledger.kind})
+            else:
+                log.warning("ledger unavailable: %s", why,
+                            extra={"policy": self.config.ledger.on_unavailable.value})
+        return up
+
+    async def _watch_ledger(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(LEDGER_PROBE_S)
+            await self.probe_ledger()
 
     async def drain(self) -> None:
         """Turn NOT_SERVING, keep serving while streams are open (up to the grace), stop."""
@@ -210,12 +263,14 @@ class Service:
         await self.stop()
 
     async def stop(self) -> None:
+        self._closing = True
         await self.server.stop(grace=0.5)
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:  # bounded: a task that lost its cancellation must not block the exit
+            _, stuck = await asyncio.wait(self._tasks, timeout=2.0)
+            for task in stuck:
+                log.warning("background task did not stop: %s", task.get_name())
         if self._runner is not None:
             await self._runner.cleanup()
         await self.gate.ledger.close()

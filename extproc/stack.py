@@ -98,11 +98,14 @@ class LocalStack:
 
     ``settings`` is the YAML mapping for ``extproc serve`` (listen addresses are filled in).
     ``backends`` fake-backend processes, each started with ``backend_args``.
+    ``extproc_replicas`` ``extproc serve`` processes behind Envoy (the same settings on their
+    own ports; share a Redis ledger to make them one admission controller): replica 0 is
+    ``grpc_port``/``metrics_url``, the others ``replica_grpc_port(i)``/``replica_metrics_url(i)``.
     """
 
     def __init__(self, workdir: str | os.PathLike[str], settings: Mapping[str, Any], *,
                  backends: int = 1, backend_args: Sequence[str] = (), fail_open: bool = True,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, extproc_replicas: int = 1) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.grpc_port = free_port()
@@ -118,6 +121,7 @@ class LocalStack:
         self.processes: dict[str, Process] = {}
         self.config_path = self.workdir / "extproc.yaml"
         self.envoy_path = self.workdir / "envoy.yaml"
+        self.extra_ports = [(free_port(), free_port()) for _ in range(extproc_replicas - 1)]
 
     @property
     def url(self) -> str:
@@ -126,6 +130,13 @@ class LocalStack:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def replica_grpc_port(self, i: int) -> int:
+        return self.grpc_port if i == 0 else self.extra_ports[i - 1][0]
+
+    def replica_metrics_url(self, i: int) -> str:
+        port = self.metrics_port if i == 0 else self.extra_ports[i - 1][1]
+        return f"http://127.0.0.1:{port}/metrics"
 
     def backend_url(self, i: int = 0) -> str:
         return f"http://127.0.0.1:{self.backend_ports[i]}"
@@ -148,6 +159,7 @@ class LocalStack:
             listen_port=self.envoy_port, admin_port=self.admin_port,
             backends=tuple(("127.0.0.1", p) for p in self.backend_ports),
             extproc=("127.0.0.1", self.grpc_port), fail_open=self.fail_open,
+            extra_extprocs=tuple(("127.0.0.1", g) for g, _ in self.extra_ports),
         )
         self.envoy_path.write_text(envoyconf.render(config, topo))
         for i, port in enumerate(self.backend_ports):
@@ -155,6 +167,8 @@ class LocalStack:
                                                *self.backend_args])
             wait_http(f"http://127.0.0.1:{port}/health", proc=proc.popen)
         self.start_extproc()
+        for i in range(1, len(self.extra_ports) + 1):
+            self.start_extproc(i)
         envoy = Process("envoy", [envoy_binary(), "-c", str(self.envoy_path),
                                   "--log-level", "warn", "--base-id", str(self.admin_port),
                                   "--drain-time-s", "1"], self.workdir)
@@ -163,10 +177,16 @@ class LocalStack:
         # the first upstream health check must pass before traffic is routed
         wait_http(f"{self.url}/health", proc=envoy.popen)
 
-    def start_extproc(self) -> Process:
+    def start_extproc(self, replica: int = 0) -> Process:
         """(Re)start ``extproc serve`` and wait until its metrics endpoint answers."""
-        proc = self._spawn("extproc", ["serve", "--config", str(self.config_path)])
-        wait_http(self.metrics_url, proc=proc.popen)
+        path = self.config_path
+        if replica:
+            grpc, metrics = self.extra_ports[replica - 1]
+            path = self.workdir / f"extproc{replica}.yaml"
+            path.write_text(yaml.safe_dump({**self.settings, "listen": f"127.0.0.1:{grpc}",
+                                            "metrics_listen": f"127.0.0.1:{metrics}"}))
+        proc = self._spawn(f"extproc{replica or ''}", ["serve", "--config", str(path)])
+        wait_http(self.replica_metrics_url(replica), proc=proc.popen)
         return proc
 
     def _spawn(self, name: str, args: Sequence[str]) -> Process:
@@ -178,7 +198,9 @@ class LocalStack:
         return proc
 
     def stop(self) -> None:
-        for name in ("envoy", "extproc", *[n for n in self.processes if n.startswith("backend")]):
+        extprocs = [n for n in self.processes if n.startswith("extproc")]
+        for name in ("envoy", *extprocs,
+                     *[n for n in self.processes if n.startswith("backend")]):
             proc = self.processes.get(name)
             if proc is not None:
                 proc.stop()

@@ -26,7 +26,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[mis
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802  (gRPC method)
+    def Export(self, request: Any, context: Any) -> Any:
         with self._lock:
             self.requests.append(request.SerializeToString())
             for rs in request.resource_spans:

@@ -1,17 +1,53 @@
-"""One contract, every ledger implementation (the Redis ledger joins the params)."""
+"""One contract, every ledger implementation: in-process, Redis, and a 3-node Redis Cluster.
+
+The Redis params start their own servers once per session (on free ports, never 6379) and give
+every test a fresh key prefix; ``-m 'not redis'`` runs the in-process ledger alone.
+"""
 
 import asyncio
-from collections.abc import AsyncIterator
+import itertools
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from extproc import config
 from extproc.ledger import Entry, Ledger
 from extproc.ledger.memory import MemoryLedger
+from extproc.ledger.redis import RedisLedger
+from tests.redis_server import RedisClusterNodes, RedisServer
+
+_prefixes = itertools.count()
 
 
-@pytest.fixture(params=["memory"])
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def cluster_url() -> Iterator[str]:
+    with RedisClusterNodes() as cluster:
+        yield cluster.url
+
+
+def redis_ledger(url: str, cluster: bool = False) -> RedisLedger:
+    settings = config.from_mapping({"ledger": {
+        "kind": "redis", "url": url, "cluster": cluster, "timeout_ms": 2_000,
+        "key_prefix": f"contract{next(_prefixes)}"}})
+    return RedisLedger.from_config(settings.ledger, ["p"])
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("cluster", marks=pytest.mark.redis)])
 async def ledger(request: pytest.FixtureRequest) -> AsyncIterator[Ledger]:
-    impl: Ledger = MemoryLedger()
+    impl: Ledger
+    if request.param == "memory":
+        impl = MemoryLedger()
+    elif request.param == "redis":
+        impl = redis_ledger(request.getfixturevalue("redis_url"))
+    else:
+        impl = redis_ledger(request.getfixturevalue("cluster_url"), cluster=True)
     yield impl
     await impl.close()
 

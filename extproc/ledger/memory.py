@@ -1,6 +1,11 @@
 """The in-process ledger: the default, exact for a single gateway replica.
 
-Per pool it keeps a dict of live entries plus running totals, so ``snapshot`` is O(1) and
+Two layers. ``LedgerCore`` is the ledger itself, synchronous: none of its methods ever waits on
+anything, so the simulator calls it directly, in virtual time, and runs the very code the
+gateway runs. ``MemoryLedger`` is the async face ``Gate`` uses (the ``Ledger`` protocol): each
+method forwards to the core and returns, without suspending.
+
+Per pool the core keeps a dict of live entries plus running totals, so ``snapshot`` is O(1) and
 ``reserve``/``release`` are O(1). Lease ends sit in a min-heap with lazy deletion (a renewal
 pushes a new end; stale heap items are skipped), so ``expire`` costs O(log n) per entry it
 looks at and never scans the whole ledger.
@@ -16,6 +21,8 @@ from dataclasses import dataclass, field
 from extproc.admission import Snapshot
 from extproc.ledger import Entry
 
+_EMPTY = Snapshot(inflight=0, outstanding_ms=0.0)
+
 
 @dataclass
 class _Pool:
@@ -24,7 +31,9 @@ class _Pool:
     leases: list[tuple[float, str]] = field(default_factory=list)
 
 
-class MemoryLedger:
+class LedgerCore:
+    """The ledger's state and rules; same contract as ``Ledger``, without ``async``."""
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
@@ -35,7 +44,7 @@ class MemoryLedger:
             pool = self._pools[name] = _Pool()
         return pool
 
-    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
+    def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
         pool = self._pool(entry.pool)
         if entry.request_id in pool.entries:
             return True
@@ -47,15 +56,18 @@ class MemoryLedger:
         heapq.heappush(pool.leases, (end, entry.request_id))
         return True
 
-    async def release(self, request_id: str, pool: str) -> bool:
+    def release(self, request_id: str, pool: str) -> bool:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
         cost, _ = p.entries.pop(request_id)
+        # Floating-point sums drift: an empty pool owes exactly nothing.
         p.outstanding_ms = max(0.0, p.outstanding_ms - cost) if p.entries else 0.0
+        if not p.entries:
+            p.leases.clear()
         return True
 
-    async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
+    def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
@@ -65,7 +77,7 @@ class MemoryLedger:
         heapq.heappush(p.leases, (end, request_id))
         return True
 
-    async def expire(self) -> int:
+    def expire(self) -> int:
         now = self._clock()
         dropped = 0
         for name, p in self._pools.items():
@@ -73,17 +85,40 @@ class MemoryLedger:
                 end, request_id = heapq.heappop(p.leases)
                 live = p.entries.get(request_id)
                 if live is not None and live[1] == end:
-                    await self.release(request_id, name)
+                    self.release(request_id, name)
                     dropped += 1
-            if not p.entries:
-                p.leases.clear()
         return dropped
 
-    async def snapshot(self, pool: str) -> Snapshot:
+    def snapshot(self, pool: str) -> Snapshot:
         p = self._pools.get(pool)
         if p is None:
-            return Snapshot(inflight=0, outstanding_ms=0.0)
+            return _EMPTY
         return Snapshot(inflight=len(p.entries), outstanding_ms=p.outstanding_ms)
 
-    async def close(self) -> None:
+    def close(self) -> None:
         self._pools.clear()
+
+
+class MemoryLedger:
+    """The ``Ledger`` protocol over a ``LedgerCore``; no method ever suspends."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.core = LedgerCore(clock)
+
+    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
+        return self.core.reserve(entry, ceiling_ms)
+
+    async def release(self, request_id: str, pool: str) -> bool:
+        return self.core.release(request_id, pool)
+
+    async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
+        return self.core.renew(request_id, pool, lease_ms)
+
+    async def expire(self) -> int:
+        return self.core.expire()
+
+    async def snapshot(self, pool: str) -> Snapshot:
+        return self.core.snapshot(pool)
+
+    async def close(self) -> None:
+        self.core.close()

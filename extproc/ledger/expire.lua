@@ -1,0 +1,30 @@
+-- expire: drop at most ARGV[1] entries whose lease has ended (their gateway died or lost the
+-- stream), oldest first. Bounded, so one call never stalls Redis however large the backlog;
+-- the caller repeats while a full batch came back.
+--
+-- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
+-- KEYS[2]  costs   hash: request id -> cost in ms
+-- KEYS[3]  total   string: the pool's outstanding work in ms
+-- ARGV[1]  most entries to drop
+-- Returns the number dropped.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%.17g', now),
+                       'LIMIT', 0, tonumber(ARGV[1]))
+if #ids == 0 then
+  return 0
+end
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+for _, id in ipairs(ids) do
+  local cost = tonumber(redis.call('HGET', KEYS[2], id) or '0')
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('ZREM', KEYS[1], id)
+  total = total - cost
+  if total < 0 then total = 0 end
+end
+if redis.call('ZCARD', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[3])
+else
+  redis.call('SET', KEYS[3], string.format('%.17g', total))
+end
+return #ids

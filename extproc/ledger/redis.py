@@ -1,0 +1,313 @@
+"""The Redis ledger: the in-flight ledger shared by every gateway replica of a fleet.
+
+Exactly as correct as the in-process ledger while Redis answers (the same contract tests run
+against both, and on any sequence of calls both compute bit-for-bit the same outstanding work).
+Per pool, three keys that share the hash tag ``{pool}``, so a pool lives in one Cluster slot and
+every script touches a single slot (never CROSSSLOT)::
+
+    <prefix>:{<pool>}:leases   sorted set  request id -> lease end (ms of Redis server time)
+    <prefix>:{<pool>}:costs    hash        request id -> cost (ms)
+    <prefix>:{<pool>}:total    string      sum of the costs: the pool's outstanding work (ms)
+
+Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header):
+``reserve`` checks the ceiling and records in one atomic step, ``release`` removes exactly once,
+``renew`` moves a lease end, ``expire`` drops at most ``sweep_batch`` lapsed entries per call,
+``snapshot`` reads the count and the total together. The total is an aggregate the scripts
+keep, never a sum over members, so each call costs O(log n) whatever the load. Lease ends come
+from Redis's ``TIME``: gateway clocks never matter. Python decides the ceiling; Lua only checks
+it. Scripts are sent by SHA (EVALSHA); a server that lost them (restart, failover, SCRIPT FLUSH)
+answers NOSCRIPT and gets the source once (EVAL caches it again, on the node owning the keys).
+
+Faults: every call has short explicit timeouts (connect and socket, ``timeout_ms``) and no
+client retries (a retry would double the wait of a decision that has a deadline). Any Redis or
+socket error becomes ``LedgerUnavailable`` here, at the edge; callers apply the fault policy.
+A circuit breaker (``breaker.py``) refuses calls at once while Redis is failing, then lets one
+trial through per cool-down. Nothing is connected at construction: a gateway starts without
+Redis and recovers when it appears.
+
+No key has a TTL, so ``noeviction`` and every ``volatile-*`` policy keep the ledger intact;
+an ``allkeys-*`` policy could evict it under memory pressure (forgetting in-flight work, so
+over-admitting): ``check`` warns loudly when it finds one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+
+from extproc.admission import Snapshot
+from extproc.config import LedgerConfig
+from extproc.errors import ConfigError, LedgerUnavailable
+from extproc.ledger import Entry
+from extproc.ledger.breaker import Breaker, State
+
+log = logging.getLogger(__name__)
+
+_FAILURES = (RedisError, RedisClusterException, OSError)  # OSError covers TimeoutError
+SAFE_EVICTION = ("noeviction", "volatile-")
+
+
+class _Script:
+    """One Lua script: sent by SHA, its source only after a NOSCRIPT."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = (resources.files("extproc.ledger") / f"{name}.lua").read_text("utf-8")
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    async def run(self, client: Any, keys: Sequence[str], args: Sequence[str]) -> Any:
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await client.eval(self.source, len(keys), *keys, *args)
+
+
+_RESERVE, _RELEASE, _RENEW, _EXPIRE, _SNAPSHOT = (
+    _Script(n) for n in ("reserve", "release", "renew", "expire", "snapshot"))
+
+
+def _num(value: float) -> str:
+    """A float as the shortest decimal that reads back exactly (Lua's ``tonumber`` agrees)."""
+    if not math.isfinite(value):
+        raise ValueError(f"ledger quantities must be finite (got {value!r})")
+    return repr(float(value))
+
+
+class RedisLedger:
+    def __init__(self, client: Any, *, key_prefix: str = "extproc", pools: Iterable[str] = (),
+                 breaker: Breaker | None = None, sweep_batch: int = 100,
+                 sweep_max: int = 1_000, where: str = "redis",
+                 extra_clients: Sequence[Any] = ()) -> None:
+        self._client = client
+        self._extra = tuple(extra_clients)  # e.g. Sentinel connections, closed with the ledger
+        self.prefix = key_prefix
+        self.breaker = breaker or Breaker()
+        self.sweep_batch = sweep_batch
+        self.sweep_max = sweep_max
+        self.where = where  # for messages: never holds a credential
+        self._pools: dict[str, None] = dict.fromkeys(pools)  # ordered set
+        self._inspected = False
+        self.eviction_policy: str | None = None  # as found by ``check``; None if unknown
+
+    @classmethod
+    def from_config(cls, config: LedgerConfig, pools: Iterable[str], *,
+                    environ: Mapping[str, str] = os.environ,
+                    on_breaker: Callable[[State], None] | None = None) -> RedisLedger:
+        """Build the client for ``config`` (no connection is made yet)."""
+        client, extra = connect(config, environ)
+        breaker = Breaker(config.breaker.failures, config.breaker.cooldown_ms / 1000.0,
+                          on_change=on_breaker)
+        return cls(client, key_prefix=config.key_prefix, pools=pools, breaker=breaker,
+                   where=describe(config), extra_clients=extra)
+
+    def keys(self, pool: str) -> tuple[str, str, str]:
+        """The pool's leases, costs and total keys (one hash tag: one Cluster slot)."""
+        base = f"{self.prefix}:{{{pool}}}"
+        return f"{base}:leases", f"{base}:costs", f"{base}:total"
+
+    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
+        self._pools.setdefault(entry.pool)
+        args = (entry.request_id, _num(entry.cost_ms), _num(entry.lease_ms),
+                "" if ceiling_ms is None else _num(ceiling_ms))
+        return bool(await self._run("reserve", _RESERVE, self.keys(entry.pool), args))
+
+    async def release(self, request_id: str, pool: str) -> bool:
+        return bool(await self._run("release", _RELEASE, self.keys(pool), (request_id,)))
+
+    async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
+        leases = self.keys(pool)[0]
+        return bool(await self._run("renew", _RENEW, (leases,), (request_id, _num(lease_ms))))
+
+    async def expire(self) -> int:
+        """Drop lapsed entries of every known pool, ``sweep_batch`` per script call and at
+        most ``sweep_max`` per pool per call (the rest wait for the next sweep)."""
+        dropped = 0
+        for pool in list(self._pools):
+            done = 0
+            while done < self.sweep_max:
+                batch = min(self.sweep_batch, self.sweep_max - done)
+                n = int(await self._run("expire", _EXPIRE, self.keys(pool), (str(batch),)))
+                done += n
+                if n < batch:
+                    break
+            dropped += done
+        return dropped
+
+    async def snapshot(self, pool: str) -> Snapshot:
+        leases, _, total = self.keys(pool)
+        count, outstanding = await self._run("snapshot", _SNAPSHOT, (leases, total), ())
+        return Snapshot(inflight=int(count), outstanding_ms=float(outstanding))
+
+    async def check(self) -> None:
+        """Probe every known pool (the health signal); the first success also inspects the
+        server's eviction policy. Raises ``LedgerUnavailable`` like any call."""
+        for pool in list(self._pools) or ["_probe"]:
+            await self.snapshot(pool)
+        if not self._inspected:
+            self._inspected = True
+            await self._inspect()
+
+    async def close(self) -> None:
+        for client in (self._client, *self._extra):
+            try:
+                await client.aclose()
+            except _FAILURES as exc:  # closing a dead connection: nothing left to do
+                log.debug("closing redis client: %s", exc)
+
+    async def _run(self, op: str, script: _Script, keys: Sequence[str],
+                   args: Sequence[str]) -> Any:
+        if not self.breaker.allow():
+            raise LedgerUnavailable(f"redis {op}: circuit open after repeated failures"
+                                    f" ({self.where})")
+        try:
+            result = await script.run(self._client, keys, args)
+        except asyncio.CancelledError:
+            # The caller gave up (its decision deadline): a Redis that never answers must
+            # still open the breaker, so this counts as a failure.
+            self.breaker.failure()
+            raise
+        except _FAILURES as exc:
+            self.breaker.failure()
+            _restore_cancellation(exc)
+            raise LedgerUnavailable(f"redis {op} failed ({self.where}):"
+                                    f" {type(exc).__name__}: {exc}") from exc
+        self.breaker.success()
+        _restore_cancellation(None)
+        return result
+
+    async def _inspect(self) -> None:
+        """Warn loudly when Redis may evict ledger keys (they have no TTL, so only an
+        ``allkeys-*`` policy can). A managed Redis may refuse CONFIG: then say so once."""
+        try:
+            raw = await self._client.config_get("maxmemory-policy")
+        except _FAILURES as exc:
+            log.warning("could not read Redis maxmemory-policy (%s: %s): make sure it is"
+                        " noeviction or a volatile-* policy, or Redis may evict in-flight"
+                        " ledger entries", type(exc).__name__, exc, extra={"redis": self.where})
+            return
+        found = sorted(set(_policies(raw)))
+        self.eviction_policy = ",".join(found) or None
+        unsafe = [p for p in found if not p.startswith(SAFE_EVICTION)]
+        if unsafe:
+            log.error("REDIS MAY EVICT LEDGER KEYS: maxmemory-policy is %s. Under memory"
+                      " pressure Redis would silently forget in-flight requests and the"
+                      " gateways would over-admit. Set maxmemory-policy to noeviction (or a"
+                      " volatile-* policy: ledger keys have no TTL).", ",".join(unsafe),
+                      extra={"redis": self.where})
+
+
+def _restore_cancellation(cause: BaseException | None) -> None:
+    """Raise ``CancelledError`` if our task was asked to stop during a Redis call.
+
+    redis-py writes through ``asyncio.wait_for``, which on Python 3.11 can lose a cancellation
+    that races with the write finishing or timing out (fixed in 3.12): the call then returns,
+    or fails with a Redis error, and the task carries on, e.g. a renewal loop renewing a
+    finished request forever. The task still counts the request (``cancelling()``), so the
+    cancellation is given back here, at the seam.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from cause
+
+
+def _policies(raw: Any) -> Iterable[str]:
+    """CONFIG GET's answer: ``{name: value}``, or per node ``{node: {name: value}}``."""
+    if isinstance(raw, Mapping):
+        for key, value in raw.items():
+            if isinstance(value, Mapping):
+                yield from _policies(value)
+            elif _text(key) == "maxmemory-policy":
+                yield _text(value)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def describe(config: LedgerConfig) -> str:
+    """Where the ledger lives, for logs: scheme, host and port, never credentials."""
+    if config.sentinel is not None:
+        nodes = ",".join(f"{h}:{p}" for h, p in config.sentinel.addresses)
+        return f"sentinel service {config.sentinel.service_name} via {nodes}"
+    parts = urlsplit(config.url or "")
+    if parts.scheme == "unix":
+        where = f"unix://{parts.path}"
+    else:
+        where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
+    return f"cluster via {where}" if config.cluster else where
+
+
+def password(config: LedgerConfig, environ: Mapping[str, str]) -> str | None:
+    if config.password is not None:
+        return config.password
+    if config.password_file is not None:
+        try:
+            return Path(config.password_file).read_text("utf-8").rstrip("\r\n")
+        except OSError as exc:
+            raise ConfigError([f"ledger.password_file: cannot read ({exc.strerror})"]) from exc
+    if config.password_env is not None:
+        value = environ.get(config.password_env)
+        if value is None:
+            raise ConfigError([f"ledger.password_env: environment variable"
+                               f" {config.password_env} is not set"])
+        return value
+    return None
+
+
+def connect(config: LedgerConfig,
+            environ: Mapping[str, str] = os.environ) -> tuple[Any, tuple[Any, ...]]:
+    """The redis-py client for ``config`` and any helper clients to close with it.
+
+    Timeouts are explicit and short; retries are off (redis-py retries by default, which would
+    multiply a dead Redis's cost per decision); CLIENT SETINFO is skipped (one less round trip
+    per connection).
+    """
+    timeout = config.timeout_ms / 1000.0
+    kwargs: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+        "driver_info": None,
+    }
+    secret = password(config, environ)
+    if config.username is not None:
+        kwargs["username"] = config.username
+    if secret is not None:
+        kwargs["password"] = secret
+    url = config.url
+    tls = config.tls
+    if tls.enabled or (url or "").startswith("rediss://"):
+        kwargs.update(ssl_ca_certs=tls.ca_file, ssl_certfile=tls.cert_file,
+                      ssl_keyfile=tls.key_file, ssl_check_hostname=tls.check_hostname)
+        if url is not None and url.startswith("redis://"):
+            url = "rediss://" + url[len("redis://"):]
+    if config.sentinel is not None:
+        sentinel_kwargs = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout",
+                                                  "retry", "driver_info")}
+        if tls.enabled:
+            kwargs["ssl"] = True
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(config.sentinel.addresses), sentinel_kwargs=sentinel_kwargs, **kwargs)
+        return sentinel.master_for(config.sentinel.service_name), tuple(sentinel.sentinels)
+    assert url is not None  # config validation guarantees a URL without Sentinel
+    if config.cluster:
+        return RedisCluster.from_url(url, **kwargs), ()
+    return Redis.from_url(url, **kwargs), ()
+
+
+__all__ = ["RedisLedger", "State", "connect", "describe"]

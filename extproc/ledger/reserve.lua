@@ -1,0 +1,30 @@
+-- reserve: record an admitted request unless it would push its pool past the ceiling, in one
+-- atomic step, so two gateways can never both take the last room.
+--
+-- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
+-- KEYS[2]  costs   hash: request id -> cost in ms (the decimal string the gateway sent)
+-- KEYS[3]  total   string: the pool's outstanding work in ms (sum of costs), kept by these scripts
+-- ARGV[1]  request id
+-- ARGV[2]  cost, ms (decimal)
+-- ARGV[3]  lease, ms
+-- ARGV[4]  ceiling, ms (decimal), or '' for no check
+-- Returns 1 when recorded or already present (a retried reserve counts once), 0 when refused.
+--
+-- Arithmetic is IEEE double, as in the in-process ledger, and the total is stored with 17
+-- significant digits, so both ledgers compute bit-for-bit the same outstanding work.
+-- Leases use TIME (Redis's clock), never the caller's.
+local id = ARGV[1]
+if redis.call('ZSCORE', KEYS[1], id) then
+  return 1
+end
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+local cost = tonumber(ARGV[2])
+if ARGV[4] ~= '' and total + cost > tonumber(ARGV[4]) then
+  return 0
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+redis.call('ZADD', KEYS[1], string.format('%.17g', now + tonumber(ARGV[3])), id)
+redis.call('HSET', KEYS[2], id, ARGV[2])
+redis.call('SET', KEYS[3], string.format('%.17g', total + cost))
+return 1

@@ -1,0 +1,94 @@
+"""``extproc replay``: a workload, the policies side by side, the table, a JSON summary, plots.
+
+The workload is a built-in scenario (``--scenario incident``) or a file (``--trace``): an Azure
+trace CSV, our JSONL, or a decision log recorded by ``extproc serve`` (shadow mode shows what
+enforcing would have done to that traffic). For a file the fleet is the first pool of
+``--config`` (the gateway's own configuration: replicas, cost model, classes), or the
+defaults; ``--replicas`` overrides its size; ``--scale X`` replays at X times the fleet's
+capacity, ``--rate-x X`` at X times the file's own rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from extproc import config as config_mod
+from extproc import workload
+from extproc.errors import ConfigError
+from extproc.fakebackend import EngineModel
+from extproc.sim import report, scenarios
+from extproc.sim.clients import ClientModel
+from extproc.sim.policies import POLICIES
+from extproc.sim.run import Scenario
+
+DEFAULT_POLICIES = ("none", "naive", "article", "default", "oracle")
+
+
+def from_file(path: str, *, fmt: str | None, config: config_mod.Config, replicas: int | None,
+              scale: float | None, rate_x: float | None, max_tokens: int | None,
+              timeout_s: float, seed: int) -> Scenario:
+    jobs = workload.load(path, fmt, max_tokens=max_tokens)
+    if not jobs:
+        raise ConfigError([f"{path}: no requests"])
+    pool = config.pools[0]
+    if replicas is not None:
+        pool = dataclasses.replace(pool, replicas=replicas)
+        config = dataclasses.replace(config, pools=(pool, *config.pools[1:]))
+    if pool.replicas < 1:
+        raise ConfigError([f"pools[0].replicas: must be >= 1 to replay (got {pool.replicas})"])
+    engine = EngineModel(max_running=pool.max_running,
+                         prefill_ms_per_token=pool.prefill_ms_per_token,
+                         itl_ms_at_1=pool.itl_ms_at_1, itl_ms_per_running=pool.itl_ms_per_running)
+    classes = {name: {"deadline_ms": c.deadline_ms, "ttft_ms": c.ttft_ms or 0,
+                      "safety_factor": c.safety_factor} for name, c in config.classes.items()}
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(path).stem)
+    sc = scenarios.replay(name, jobs, replicas=pool.replicas, load=scale, rate_x=rate_x,
+                          engine=engine, classes=classes,
+                          clients=ClientModel(timeout_s=timeout_s), seed=seed)
+    # the fleet runs the engine; the gateway keeps every knob of its configured pool
+    simulated = dataclasses.replace(pool, name=sc.pool.name)
+    return dataclasses.replace(sc, config=dataclasses.replace(sc.config, pools=(simulated,)))
+
+
+def run(*, trace: str | None = None, fmt: str | None = None, scenario: str | None = None,
+        policies: Sequence[str] = DEFAULT_POLICIES, out: str | None = None,
+        config: config_mod.Config | None = None, replicas: int | None = None,
+        scale: float | None = None, rate_x: float | None = None,
+        max_tokens: int | None = None, timeout_s: float = 60.0, seed: int = 0,
+        fleet_scale: float = 1.0, progress: bool = True, stream: TextIO | None = None) -> int:
+    stream = stream if stream is not None else sys.stdout
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ConfigError([f"policies: unknown {', '.join(unknown)}"
+                           f" (choose from {', '.join(POLICIES)})"])
+    if (trace is None) == (scenario is None):
+        raise ConfigError(["give exactly one of --trace FILE or --scenario NAME"])
+    if scale is not None and rate_x is not None:
+        raise ConfigError(["give at most one of --scale and --rate-x"])
+    if trace is not None:
+        sc = from_file(trace, fmt=fmt, config=config or config_mod.from_mapping({}),
+                       replicas=replicas, scale=scale, rate_x=rate_x, max_tokens=max_tokens,
+                       timeout_s=timeout_s, seed=seed)
+    else:
+        assert scenario is not None
+        sc = scenarios.builtin(scenario, seed=seed, load=scale or 1.5, fleet_scale=fleet_scale)
+    bar = (lambda label: report.Progress(label)) if progress else None
+    results = report.compare(sc, policies, progress=bar)
+    stream.write(report.table(sc, results) + "\n")
+    if out is not None:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        report.write_summary(folder / f"{sc.name}.json", report.summary(sc, results))
+        stream.write(f"wrote {folder / (sc.name + '.json')}\n")
+        try:
+            report.plot(sc, results, folder / f"{sc.name}.png")
+        except ImportError:
+            stream.write("no plot: matplotlib is not installed (pip install 'extproc[sim]')\n")
+        else:
+            stream.write(f"wrote {folder / (sc.name + '.png')}\n")
+    return 0

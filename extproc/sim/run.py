@@ -1,0 +1,601 @@
+"""The discrete-event loop: jobs in, a fleet of replicas, a gateway, clients; a ``Result`` out.
+
+Virtual time, one heap of events (O(log n) each), no threads, no clock reads: the same scenario,
+policy and seed give the same result on any machine. First arrivals are read from the sorted
+job list and client timeouts from a FIFO (they all last the same) instead of being pushed, so
+the heap only holds a replica's next step boundary, retries, readiness and the periodic
+samples.
+
+The gateway does what ``extproc.gate.Gate`` does, minus parsing and I/O: it reads the ledger
+snapshot (the production ``LedgerCore``) and the ready capacity, asks the policy (for
+``default``, ``none`` and ``oracle`` the production ``admission.decide``), and either answers
+429 with the production ``Retry-After`` rule, refuses an infeasible request (when configured)
+or records the entry and forwards the request to the least-loaded ready replica. The entry is
+released when the request's stream ends: its last token, or its client giving up. Leases never
+expire in the simulator: no stream is ever lost, so the lease backstop has nothing to do.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.admission import Capacity, Outcome, Policy, Reason
+from extproc.capacity import model_of
+from extproc.config import Config, Infeasible, Pool
+from extproc.estimate import Observed, cost_of, predictor_for
+from extproc.fakebackend import EngineModel
+from extproc.ledger import Entry
+from extproc.ledger.memory import LedgerCore
+from extproc.responses import retry_after_s
+from extproc.sim.autoscaler import Fixed, Observation, Recommender
+from extproc.sim.clients import Attempt, ClientModel
+from extproc.sim.engine import INF, Replica
+from extproc.sim.policies import AdmissionPolicy
+from extproc.workload import Job
+
+_REPLICA, _SEND, _READY, _SAMPLE, _CONTROL = range(5)
+OUTPUT_DECAY = 0.99  # per sample of the output-length histogram: forgets with a ~15 min memory
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything but the policy: workload, fleet, gateway configuration, clients."""
+
+    name: str
+    jobs: Sequence[Job]
+    config: Config  # the gateway's configuration: its first pool is the fleet simulated
+    engine: EngineModel  # the replicas' real timing (what the pool config claims may differ)
+    replicas: int
+    clients: ClientModel = field(default_factory=ClientModel)
+    engine_aborts: bool = True  # engines drop a request when its client goes (streaming)
+    autoscaler: Callable[[], Recommender] | None = None  # None: a fixed fleet
+    provisioning_s: float = 540.0
+    control_period_s: float = 15.0
+    sample_s: float = 10.0
+    seed: int = 0
+    description: str = ""
+    clock_origin_s: float = 0.0  # wall-clock seconds after midnight at t = 0, for plots
+
+    @property
+    def pool(self) -> Pool:
+        return self.config.pools[0]
+
+    @property
+    def span_s(self) -> float:
+        return max((j.arrival_s for j in self.jobs), default=0.0)
+
+
+@dataclass
+class Series:
+    """Per-sample time series (one entry per ``sample_s``)."""
+
+    t: list[float] = field(default_factory=list)
+    arrivals: list[int] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+    good: list[int] = field(default_factory=list)
+    late: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    p95_s: list[float] = field(default_factory=list)
+    ready: list[int] = field(default_factory=list)
+    starting: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    inflight: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    scenario: str
+    policy: str
+    span_s: float
+    jobs: int = 0
+    attempts: int = 0
+    admitted: int = 0  # attempts forwarded to an engine (admitted, passed, or shadow)
+    rejected: int = 0  # 429s sent (enforced)
+    would_reject: int = 0  # REJECT decisions, enforced or not (shadow mode counts them)
+    refused: int = 0  # 400s: infeasible requests refused by configuration
+    unavailable: int = 0  # no ready replica to forward to
+    good: int = 0  # admitted attempts that completed within deadline (and TTFT objective)
+    good_in_span: int = 0  # ... of which finished while jobs were still arriving
+    completed: int = 0  # admitted attempts that finished at an engine (on time or not)
+    abandoned: int = 0  # admitted attempts whose client gave up first
+    jobs_good: int = 0
+    jobs_shed: int = 0  # jobs that gave up after 429s
+    jobs_failed: int = 0  # jobs that gave up after timeouts (or 400s)
+    latencies_s: list[float] = field(default_factory=list, repr=False)
+    ttfts_s: list[float] = field(default_factory=list, repr=False)
+    gpu_s: float = 0.0
+    gpu_wasted_s: float = 0.0
+    queue_delay_s: float = 0.0
+    replica_s: float = 0.0
+    ready_replica_s: float = 0.0
+    idle_replica_s: float = 0.0
+    peak_replicas: int = 0
+    final_replicas: int = 0
+    events: int = 0
+    series: Series = field(default_factory=Series, repr=False)
+
+    # ---- derived figures (see docs/simulator.md for the definitions) ----
+    @property
+    def goodput(self) -> float:
+        """Completions within deadline per second, over the workload's span (completions
+        after the last arrival are left out, so a policy that defers work past the end of the
+        workload gains nothing from it)."""
+        return self.good_in_span / self.span_s if self.span_s else 0.0
+
+    @property
+    def attainment(self) -> float:
+        """Share of admitted attempts that met their deadline."""
+        return self.good / self.admitted if self.admitted else 1.0
+
+    @property
+    def reject_share(self) -> float:
+        return self.rejected / self.attempts if self.attempts else 0.0
+
+    @property
+    def shed_share(self) -> float:
+        return self.jobs_shed / self.jobs if self.jobs else 0.0
+
+    def latency(self, q: float) -> float:
+        return _quantile(self.latencies_s, q)
+
+    def ttft(self, q: float) -> float:
+        return _quantile(self.ttfts_s, q)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario, "policy": self.policy, "span_s": round(self.span_s, 1),
+            "jobs": self.jobs, "attempts": self.attempts,
+            "goodput_rps": round(self.goodput, 4), "good": self.good,
+            "attainment": round(self.attainment, 5), "admitted": self.admitted,
+            "rejected": self.rejected, "reject_share": round(self.reject_share, 5),
+            "would_reject": self.would_reject, "refused": self.refused,
+            "unavailable": self.unavailable,
+            "jobs_good": self.jobs_good, "jobs_shed": self.jobs_shed,
+            "jobs_failed": self.jobs_failed, "shed_share": round(self.shed_share, 5),
+            "completed": self.completed, "abandoned": self.abandoned,
+            "latency_s": {f"p{q}": _round(self.latency(q / 100)) for q in (50, 95, 99)},
+            "ttft_s": {f"p{q}": _round(self.ttft(q / 100)) for q in (50, 95, 99)},
+            "gpu_s": round(self.gpu_s, 1), "gpu_wasted_s": round(self.gpu_wasted_s, 1),
+            "queue_delay_min": round(self.queue_delay_s / 60, 2),
+            "replica_min": round(self.replica_s / 60, 2),
+            "ready_replica_min": round(self.ready_replica_s / 60, 2),
+            "idle_replica_min": round(self.idle_replica_s / 60, 2),
+            "peak_replicas": self.peak_replicas, "final_replicas": self.final_replicas,
+            "events": self.events,
+        }
+
+
+def _round(x: float) -> float | None:
+    return None if math.isinf(x) or math.isnan(x) else round(x, 3)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Simulation:
+    """One run of one policy on one scenario; ``run()`` once."""
+
+    def __init__(self, scenario: Scenario, policy: AdmissionPolicy) -> None:
+        self.scenario = scenario
+        self.policy = policy
+        self.pool = scenario.pool
+        self.config = scenario.config
+        self.now = 0.0
+        self.ledger = LedgerCore(clock=lambda: self.now)
+        self.heap: list[tuple[float, int, int, Any, int]] = []
+        self._seq = 0
+        self.replicas: list[Replica] = []
+        self.ready: list[Replica] = []
+        self.rng_clients = random.Random(scenario.seed * 7919 + 1)
+        self.rng_gateway = random.Random(scenario.seed * 7919 + 2)
+        self.result = Result(scenario.name, policy.name, scenario.span_s)
+        self.recommender: Recommender = (scenario.autoscaler() if scenario.autoscaler
+                                         else Fixed(scenario.replicas))
+        self._policies = {name: Policy(c.deadline_ms, c.safety_factor, c.ttft_ms)
+                          for name, c in self.config.classes.items()}
+        self._capacity: Capacity = model_of(self.pool, 0)
+        self._inflight: deque[Attempt] = deque()  # admitted, in admission order
+        self._keys = 0
+        self._window = _Window()
+        self._sample = _Window()
+        self._sample_latencies: list[float] = []
+        self._last_control = 0.0
+        self._marks: dict[int, tuple[float, float, float]] = {}  # replica -> integrals seen
+        self._pending_sends = 0
+        # Every client waits the same timeout, so timeouts come due in the order they were
+        # set: a FIFO instead of the heap (stale ones, for finished attempts, are skipped).
+        self._timeouts: deque[tuple[float, Attempt]] = deque()
+        # What the gateway learns of output lengths: the engines' histogram of completions.
+        self.outputs = Observed(fallback=predictor_for(self.pool))
+        for _ in range(scenario.replicas):
+            self._add_replica(ready=True)
+
+
+    # ---- plumbing ----
+    def _push(self, t: float, kind: int, obj: Any, aux: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, self._seq, kind, obj, aux))
+
+    def _schedule_replica(self, t: float, replica: Replica) -> None:
+        self._push(t, _REPLICA, replica, replica.version)
+
+    def _add_replica(self, ready: bool) -> Replica:
+        r = Replica(len(self.replicas), self.scenario.engine, self._schedule_replica)
+        r.started_at = self.now
+        r.last_t = self.now
+        self.replicas.append(r)
+        if ready:
+            self._make_ready(r)
+        else:
+            r.ready_at = self.now + self.scenario.provisioning_s
+            self._push(r.ready_at, _READY, r)
+        return r
+
+    def _make_ready(self, r: Replica) -> None:
+        r.state = "ready"
+        r.ready_at = self.now
+        r.last_t = self.now
+        self.ready.append(r)
+        self._capacity = model_of(self.pool, len(self.ready))
+
+    def _stop(self, r: Replica) -> None:
+        r.accrue(self.now)
+        r.state = "stopped"
+        r.stopped_at = self.now
+
+    # ---- the run ----
+    def run(self, progress: Callable[[float, float], None] | None = None) -> Result:
+        sc = self.scenario
+        jobs = sc.jobs
+        n = len(jobs)
+        self.result.jobs = n
+        heap = self.heap
+        self._push(sc.sample_s, _SAMPLE, None)
+        if sc.autoscaler is not None:
+            self._push(sc.control_period_s, _CONTROL, None)
+        finished: list[Attempt] = []
+        timeouts = self._timeouts
+        ji = 0
+        events = 0
+        horizon = self._horizon()
+        while True:
+            # the next event of three sources: the job list, the timeout FIFO, the heap
+            t_job = jobs[ji].arrival_s if ji < n else INF
+            t_out = timeouts[0][0] if timeouts else INF
+            t_heap = heap[0][0] if heap else INF
+            if min(t_out, t_heap, t_job) > horizon:
+                self.now = horizon
+                self._abandon_leftovers()
+                break
+            if t_out <= t_heap and t_out <= t_job:
+                _, a = timeouts.popleft()
+                self.now = t_out
+                events += 1
+                if a.finished_at < 0.0:
+                    self._timeout(a)
+            elif t_heap <= t_job:
+                t, _, kind, obj, aux = heapq.heappop(heap)
+                self.now = t
+                events += 1
+                if kind == _REPLICA:
+                    if aux != obj.version:
+                        continue
+                    obj.plan(t, finished)
+                    if finished:
+                        self._finish(finished)
+                        finished.clear()
+                    if obj.state == "draining" and obj.idle:
+                        self._stop(obj)
+                elif kind == _SEND:
+                    self._pending_sends -= 1
+                    self._send(obj[0], obj[1])
+                elif kind == _READY:
+                    if obj.state == "starting":
+                        self._make_ready(obj)
+                elif kind == _SAMPLE:
+                    self._take_sample(progress)
+                    if ji < n or self._busy():
+                        self._push(t + sc.sample_s, _SAMPLE, None)
+                elif kind == _CONTROL:
+                    self._control()
+                    if ji < n or self._busy():
+                        self._push(t + sc.control_period_s, _CONTROL, None)
+            else:
+                job = jobs[ji]
+                ji += 1
+                self.now = t_job
+                events += 1
+                self._send(job, 0)
+        self._close(events)
+        return self.result
+
+    def _horizon(self) -> float:
+        """When no client can still be waiting: the last arrival, then every retry's timeout
+        and longest backoff, plus a minute. Work still queued then is abandoned work."""
+        c = self.scenario.clients
+        tries = c.max_retries + 1
+        return self.scenario.span_s + tries * (c.timeout_s + max(
+            c.backoff_max_s, c.honor_retry_after_s, float(self.config.retry_after.max_s))) + 60.0
+
+    def _abandon_leftovers(self) -> None:
+        """At the horizon: what engines still hold never finished (latency: infinite)."""
+        res = self.result
+        for r in self.replicas:
+            for a in (*r.running, *r.waiting):
+                if a.finished_at < 0.0 and not a.aborted:
+                    res.latencies_s.append(INF)
+                    res.ttfts_s.append(INF if a.started_at < 0.0 else a.first_token_at
+                                       - a.arrival)
+                    res.abandoned += 1
+
+    def _busy(self) -> bool:
+        """Anything left to happen besides the periodic samples?"""
+        return self._pending_sends > 0 or any(not r.idle for r in self.replicas) or any(
+            r.state == "starting" for r in self.replicas)
+
+    # ---- gateway ----
+    def _send(self, job: Job, number: int) -> None:
+        now = self.now
+        res = self.result
+        res.attempts += 1
+        self._window.arrivals += 1
+        self._sample.arrivals += 1
+        pool = self.pool
+        policy = self._policies[job.service_class]
+        if job.deadline_ms is not None and job.deadline_ms < policy.deadline_ms:
+            policy = Policy(job.deadline_ms, policy.safety_factor, policy.ttft_ms)
+        charged = job.max_tokens or pool.default_max_tokens
+        output = job.output_tokens if job.max_tokens is None \
+            else min(job.output_tokens, job.max_tokens)
+        self._keys += 1
+        a = Attempt(job, number, now, str(self._keys), output, charged,
+                    policy.deadline_ms / 1000.0,
+                    None if policy.ttft_ms is None else policy.ttft_ms / 1000.0)
+        snapshot = self.ledger.snapshot(pool.name)
+        cost = cost_of(job.prompt_tokens, job.max_tokens, 1, pool, predictor=self.outputs)
+        decision = self.policy.decide(cost, output, snapshot, self._capacity, policy, now)
+        outcome = decision.outcome
+        if outcome is Outcome.REJECT:
+            res.would_reject += 1
+        if decision.reason is Reason.INFEASIBLE and self.config.infeasible is Infeasible.REJECT:
+            a.outcome = "refused"
+            res.refused += 1
+            res.jobs_failed += 1
+            return
+        if outcome is Outcome.REJECT and self.policy.enforce:
+            a.outcome = "rejected"
+            res.rejected += 1
+            self._window.rejected += 1
+            self._sample.rejected += 1
+            clients = self.scenario.clients
+            if number < clients.max_retries:
+                hint = retry_after_s(decision.retry_after_ms, self.config.retry_after,
+                                     self.rng_gateway)
+                delay = clients.after_429_s(hint, number, self.rng_clients)
+                self._push(now + delay, _SEND, (job, number + 1))
+                self._pending_sends += 1
+            else:
+                res.jobs_shed += 1
+            return
+        if not self.ready:
+            a.outcome = "unavailable"
+            res.unavailable += 1
+            self._retry_or_fail(a)
+            return
+        a.outcome = "admitted"
+        res.admitted += 1
+        self._window.admitted += 1
+        self._sample.admitted += 1
+        lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
+        self.ledger.reserve(Entry(a.key, pool.name, decision.service_ms, lease_ms))
+        self._inflight.append(a)
+        target = self.target()
+        assert target is not None
+        target.submit(a, now)
+        self._timeouts.append((now + self.scenario.clients.timeout_s, a))
+
+    def target(self) -> Replica | None:
+        """The least-loaded ready replica (running + waiting): where a request goes."""
+        if not self.ready:
+            return None
+        target = self.ready[0]
+        best = len(target.running) + len(target.waiting)
+        for r in self.ready:
+            load = len(r.running) + len(r.waiting)
+            if load < best:
+                target, best = r, load
+        return target
+
+    def _release(self, a: Attempt) -> None:
+        if not a.released:
+            a.released = True
+            self.ledger.release(a.key, self.pool.name)
+
+    def _retry_or_fail(self, a: Attempt) -> None:
+        clients = self.scenario.clients
+        if a.number < clients.max_retries:
+            delay = clients.backoff_s(a.number, self.rng_clients)
+            self._push(self.now + delay, _SEND, (a.job, a.number + 1))
+            self._pending_sends += 1
+        else:
+            self.result.jobs_failed += 1
+
+    def _timeout(self, a: Attempt) -> None:
+        if a.finished_at >= 0.0:
+            return
+        a.abandoned = True
+        self._release(a)  # the stream ends with a cancellation
+        if self.scenario.engine_aborts and a.replica is not None:
+            a.replica.abort(a, self.now)
+        if self.scenario.clients.retry_on_timeout:
+            self._retry_or_fail(a)
+        else:
+            self.result.jobs_failed += 1
+
+    def _finish(self, done: list[Attempt]) -> None:
+        res = self.result
+        sample = self._sample
+        for a in done:
+            replica_left = a.finished_at if a.finished_at >= 0.0 else self.now
+            if a.started_at >= 0.0:
+                res.queue_delay_s += a.started_at - a.queued_at
+            else:
+                res.queue_delay_s += replica_left - a.queued_at
+            res.gpu_s += a.gpu_s
+            if a.finished_at >= 0.0:
+                self.outputs.observe(a.output_tokens)
+                res.completed += 1
+                self._window.completed += 1
+                self._release(a)
+                latency = a.finished_at - a.arrival
+                res.latencies_s.append(latency)
+                res.ttfts_s.append(a.first_token_at - a.arrival)
+                self._sample_latencies.append(latency)
+                if a.good:
+                    res.good += 1
+                    if a.finished_at <= res.span_s:
+                        res.good_in_span += 1
+                    res.jobs_good += 1
+                    self._window.good += 1
+                    sample.good += 1
+                else:  # late: served past its deadline, or finished for a client gone
+                    res.gpu_wasted_s += a.gpu_s
+                    sample.late += 1
+                if a.abandoned:
+                    res.abandoned += 1
+            else:  # dropped by the engine after its client left
+                res.abandoned += 1
+                res.gpu_wasted_s += a.gpu_s
+                res.latencies_s.append(INF)
+                res.ttfts_s.append(a.first_token_at - a.arrival if a.first_token_at >= 0.0
+                                   and a.first_token_at <= self.now else INF)
+                sample.dropped += 1
+
+    # ---- observation and control ----
+    def _observe(self) -> Observation:
+        now = self.now
+        window = now - self._last_control
+        d_busy = d_occ = d_work = ready_time = 0.0
+        marks = self._marks
+        for r in self.ready:
+            r.accrue(now)
+            seen_busy, seen_occ, seen_work = marks.get(r.index, (0.0, 0.0, 0.0))
+            d_busy += r.busy_s - seen_busy
+            d_occ += r.occupancy_s - seen_occ
+            d_work += r.work_s - seen_work
+            marks[r.index] = (r.busy_s, r.occupancy_s, r.work_s)
+            ready_time += now - max(r.ready_at, self._last_control)
+        oldest_wait = min((r.oldest_waiting() for r in self.ready), default=INF)
+        inflight = self._inflight
+        while inflight and inflight[0].released:
+            inflight.popleft()
+        w = self._window
+        obs = Observation(
+            now_s=now, window_s=window, ready=len(self.ready),
+            starting=sum(1 for r in self.replicas if r.state == "starting"),
+            draining=sum(1 for r in self.replicas if r.state == "draining"),
+            arrivals=w.arrivals, admitted=w.admitted, rejected=w.rejected,
+            completed=w.completed, good=w.good,
+            load=min(float(len(self.ready)), d_work / window) if window > 0 else 0.0,
+            utilization=min(1.0, d_work / ready_time) if ready_time > 0 else 0.0,
+            occupancy=min(1.0, d_occ / ready_time) if ready_time > 0 else 0.0,
+            busy=min(1.0, d_busy / ready_time) if ready_time > 0 else 0.0,
+            waiting=sum(len(r.waiting) for r in self.ready),
+            oldest_waiting_s=0.0 if oldest_wait == INF else now - oldest_wait,
+            inflight=self.ledger.snapshot(self.pool.name).inflight,
+            oldest_inflight_s=now - inflight[0].arrival if inflight else 0.0,
+        )
+        self._window = _Window()
+        self._last_control = now
+        return obs
+
+    def _control(self) -> None:
+        obs = self._observe()
+        desired = max(0, self.recommender.recommend(obs))
+        starting = [r for r in self.replicas if r.state == "starting"]
+        have = len(self.ready) + len(starting)
+        if desired > have:
+            for _ in range(desired - have):
+                self._add_replica(ready=False)
+        elif desired < have:
+            surplus = have - desired
+            for r in reversed(starting):  # cancel what is not ready yet, newest first
+                if surplus == 0:
+                    break
+                self._stop(r)
+                surplus -= 1
+            while surplus > 0 and len(self.ready) > 1:
+                r = min(reversed(self.ready), key=lambda x: x.load)
+                self.ready.remove(r)
+                r.state = "draining"
+                surplus -= 1
+                if r.idle:
+                    self._stop(r)
+            self._capacity = model_of(self.pool, len(self.ready))
+        self.result.peak_replicas = max(self.result.peak_replicas,
+                                        len(self.ready) + len(starting))
+
+    def _take_sample(self, progress: Callable[[float, float], None] | None) -> None:
+        s, series = self._sample, self.result.series
+        series.t.append(self.now)
+        series.arrivals.append(s.arrivals)
+        series.rejected.append(s.rejected)
+        series.admitted.append(s.admitted)
+        series.good.append(s.good)
+        series.late.append(s.late)
+        series.dropped.append(s.dropped)
+        lat = self._sample_latencies
+        series.p95_s.append(_quantile(lat, 0.95) if lat else math.nan)
+        series.ready.append(len(self.ready))
+        series.starting.append(sum(1 for r in self.replicas if r.state == "starting"))
+        series.waiting.append(sum(len(r.waiting) for r in self.ready))
+        series.inflight.append(self.ledger.snapshot(self.pool.name).inflight)
+        self.result.peak_replicas = max(self.result.peak_replicas,
+                                        series.ready[-1] + series.starting[-1])
+        self._sample = _Window()
+        self._sample_latencies = []
+        self.outputs.decay(OUTPUT_DECAY)
+        self.ledger.expire()  # the sweeper: drops stale lease records (never a live entry)
+        if progress is not None:
+            progress(self.now, self.scenario.span_s)
+
+    def _close(self, events: int) -> None:
+        res = self.result
+        res.events = events
+        end = self.now
+        for r in self.replicas:
+            stop = min(r.stopped_at, end)
+            if r.state in ("ready", "draining"):
+                r.accrue(stop)
+            res.replica_s += max(0.0, stop - r.started_at)
+            if r.state != "starting" and r.ready_at <= stop:
+                res.ready_replica_s += stop - r.ready_at
+            res.idle_replica_s += max(0.0, stop - r.started_at) - r.busy_s
+        res.final_replicas = len(self.ready)
+
+
+@dataclass
+class _Window:
+    arrivals: int = 0
+    admitted: int = 0
+    rejected: int = 0
+    completed: int = 0
+    good: int = 0
+    late: int = 0
+    dropped: int = 0
+
+
+def simulate(scenario: Scenario, policy: AdmissionPolicy,
+             progress: Callable[[float, float], None] | None = None) -> Result:
+    return Simulation(scenario, policy).run(progress)

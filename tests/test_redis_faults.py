@@ -1,0 +1,307 @@
+"""The admission service on a Redis ledger when Redis misbehaves: a real ``Service`` (gRPC, health,
+sweeper) driven stream by stream as Envoy drives it, against a real ``redis-server`` that is
+stopped (SIGSTOP), killed, restarted empty or absent at start."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc import config
+from extproc.ledger.redis import RedisLedger
+from extproc.server import LEDGER_SERVICE, SERVICE_NAME, Service
+from extproc.stack import free_port
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+CHAT = "/v1/chat/completions"
+DEADLINE_MS = 100.0  # decision_deadline_ms in these tests
+ANSWER_SLACK_S = 0.4  # gRPC and a busy 2-core machine (clients share the server's loop)
+
+
+def settings(url: str, policy: str = "fail_open", **ledger: Any) -> config.Config:
+    return config.from_mapping({
+        "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
+        "pools": [{"name": "llama", "replicas": 1, "max_running": 8}],
+        "classes": {"latency": {"deadline_ms": 30_000, "ttft_ms": 2_000}},
+        "ledger": {"kind": "redis", "url": url, "on_unavailable": policy, "timeout_ms": 50,
+                   "decision_deadline_ms": DEADLINE_MS, "sweep_interval_ms": 50,
+                   "breaker": {"failures": 3, "cooldown_ms": 200}, **ledger},
+    })
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+async def end_streams() -> AsyncIterator[None]:
+    """Finish every stream a test opened, so none outlives its event loop."""
+    yield
+    for stream in Stream.opened:
+        await stream.queue.put(None)
+        stream.call.cancel()
+    await asyncio.sleep(0)
+    Stream.opened.clear()
+
+
+@pytest.fixture
+async def service_factory() -> AsyncIterator[Any]:
+    started: list[Service] = []
+
+    async def start(cfg: config.Config) -> tuple[Service, pb_grpc.ExternalProcessorStub,
+                                                 health_pb2_grpc.HealthStub]:
+        svc = Service(cfg)
+        await svc.start()
+        started.append(svc)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}")
+        channels.append(channel)
+        return svc, pb_grpc.ExternalProcessorStub(channel), health_pb2_grpc.HealthStub(channel)
+
+    channels: list[grpc.aio.Channel] = []
+    yield start
+    for channel in channels:
+        await channel.close()
+    for svc in started:
+        await svc.stop()
+
+
+def headers() -> pb.ProcessingRequest:
+    pairs = {":path": CHAT, ":method": "POST", "content-type": "application/json"}
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])))
+
+
+def body(max_tokens: int = 20) -> pb.ProcessingRequest:
+    doc = {"model": "m", "max_tokens": max_tokens,
+           "messages": [{"role": "user", "content": "hello"}]}
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(doc).encode(),
+                                                         end_of_stream=True))
+
+
+class Stream:
+    """One ext_proc stream as Envoy drives it; every read is bounded (a hang fails the test)."""
+
+    opened: list[Stream] = []
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        self.queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
+        self.call = stub.Process(self._requests())
+        Stream.opened.append(self)
+
+    async def _requests(self) -> AsyncIterator[pb.ProcessingRequest]:
+        while (item := await self.queue.get()) is not None:
+            yield item
+
+    async def send(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        await self.queue.put(message)
+        return await asyncio.wait_for(self.call.read(), 5)
+
+    async def close(self) -> None:
+        await self.queue.put(None)
+        assert await asyncio.wait_for(self.call.read(), 5) == grpc.aio.EOF
+
+
+@dataclass
+class Answer:
+    phase: str
+    seconds: float  # body sent -> verdict read
+    outcome: str  # "continue" or the x-admission-reason of our own answer
+
+
+def outcome(resp: pb.ProcessingResponse) -> str:
+    if resp.HasField("request_body"):
+        return "continue"
+    reason = [h.header.raw_value.decode() for h in resp.immediate_response.headers.set_headers
+              if h.header.key == "x-admission-reason"]
+    return f"{resp.immediate_response.status.code}:{reason[0] if reason else '?'}"
+
+
+async def ask(stub: pb_grpc.ExternalProcessorStub, max_tokens: int = 20,
+              ) -> tuple[Stream, str, float]:
+    s = Stream(stub)
+    assert (await s.send(headers())).HasField("request_headers")
+    started = time.perf_counter()
+    resp = await s.send(body(max_tokens))
+    return s, outcome(resp), time.perf_counter() - started
+
+
+async def until(predicate: Callable[[], bool | Awaitable[bool]], within: float,
+                what: str) -> float:
+    """Poll a predicate (plain or async) until it holds; return how long it took."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return loop.time() - start
+        assert loop.time() - start < within, f"{what}: not within {within}s"
+        await asyncio.sleep(0.02)
+
+
+def fallbacks(svc: Service, policy: str) -> float:
+    value = svc.metrics.registry.get_sample_value(
+        "extproc_ledger_unavailable_decisions_total", {"pool": "llama", "policy": policy})
+    return value or 0.0
+
+
+def leases(redis: RedisServer) -> int:
+    return int(redis.client().zcard("extproc:{llama}:leases"))
+
+
+@pytest.mark.parametrize("fault", ["sigstop", "kill"])
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
+async def test_under_load_every_request_is_answered_in_time_and_admission_resumes(
+        redis: RedisServer, service_factory: Any, policy: str, fault: str) -> None:
+    svc, stub, _ = await service_factory(settings(redis.url, policy))
+    phase = ["before"]
+    answers: list[Answer] = []
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        while not stop.is_set():
+            s, verdict, seconds = await ask(stub)
+            answers.append(Answer(phase[0], seconds, verdict))
+            if verdict == "continue":
+                await s.close()  # the request ends: its release runs whatever Redis does
+
+    async def count(p: str, n: int) -> bool:
+        return sum(a.phase == p for a in answers) >= n
+
+    clients = [asyncio.create_task(client()) for _ in range(4)]
+    try:
+        await until(lambda: count("before", 20), 5, "traffic")
+        phase[0] = "fault"
+        redis.pause() if fault == "sigstop" else redis.kill()
+        await until(lambda: count("fault", 60), 10, "answers while Redis is away")
+        phase[0] = "stopping"
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+
+    assert {a.outcome for a in answers if a.phase == "before"} == {"continue"}
+    during = [a for a in answers if a.phase == "fault"]
+    slowest = max(a.seconds for a in during)
+    assert slowest < DEADLINE_MS / 1000 + ANSWER_SLACK_S, f"slowest answer {slowest:.3f}s"
+    expected = "continue" if policy == "fail_open" else "429:ledger_unavailable"
+    # the first few may still have been decided on Redis before the fault bit
+    assert [a.outcome for a in during[8:]] == [expected] * len(during[8:])
+    assert fallbacks(svc, policy) >= len(during) - 8
+    # tripped (open, or half-open with a trial in flight), and not closed while Redis is away
+    assert svc.metrics.registry.get_sample_value("extproc_ledger_breaker_state") in (1, 2)
+
+    redis.resume() if fault == "sigstop" else redis.start()
+    back = time.monotonic()
+
+    async def admitted_through_redis() -> bool:
+        before = fallbacks(svc, policy)
+        s, verdict, _ = await ask(stub)
+        recorded = verdict == "continue" and leases(redis) >= 1
+        if verdict == "continue":
+            await s.close()
+        return recorded and fallbacks(svc, policy) == before
+
+    await until(admitted_through_redis, 3, "admission through Redis again")
+    assert time.monotonic() - back < 1.0 + ANSWER_SLACK_S
+    await until(lambda: leases(redis) == 0, 3, "every finished request released")
+
+
+async def check_health(health: health_pb2_grpc.HealthStub, service: str) -> int:
+    resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+    return int(resp.status)
+
+
+async def test_starting_without_redis_serves_reports_it_and_recovers_when_it_appears(
+        service_factory: Any) -> None:
+    port = free_port()  # nothing listens here yet
+    svc, stub, health = await service_factory(settings(f"redis://127.0.0.1:{port}",
+                                                       "fail_closed"))
+    serving, not_serving = (health_pb2.HealthCheckResponse.SERVING,
+                            health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert await check_health(health, SERVICE_NAME) == serving  # the processor still works
+    assert await check_health(health, LEDGER_SERVICE) == not_serving
+    assert svc.metrics.registry.get_sample_value("extproc_ledger_up") == 0
+    _, verdict, _ = await ask(stub)
+    assert verdict == "429:ledger_unavailable"
+
+    with RedisServer(port=port) as redis:
+        took = await until(lambda: _is_serving(health), 3, "ledger health back")
+        assert took < 1.0
+        s, verdict, _ = await ask(stub)
+        assert verdict == "continue" and leases(redis) == 1
+        await s.close()
+        assert leases(redis) == 0
+        redis.kill()
+        await until(lambda: _is_serving(health, False), 3, "ledger health down again")
+
+
+async def _is_serving(health: health_pb2_grpc.HealthStub, up: bool = True) -> bool:
+    status = await check_health(health, LEDGER_SERVICE)
+    return status == (health_pb2.HealthCheckResponse.SERVING if up else
+                      health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def test_a_lease_shorter_than_the_request_is_renewed_and_never_reclaimed(
+        redis: RedisServer, service_factory: Any) -> None:
+    """Lease ~0.2 s (expected finish of 5 tokens + 100 ms grace), renewed every third of it,
+    while every gateway sweeps lapsed entries every 50 ms; the stream stays open 1.5 s."""
+    svc, stub, _ = await service_factory(settings(redis.url, lease_grace_ms=100))
+    s, verdict, _ = await ask(stub, max_tokens=5)
+    assert verdict == "continue"
+    lease_ms = float(svc.gate.config.ledger.lease_grace_ms) + 5 * 18.6 + 1
+    assert lease_ms < 300
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        assert leases(redis) == 1, "entry reclaimed while its stream is open"
+        await asyncio.sleep(0.02)
+    await s.close()
+    assert leases(redis) == 0
+
+
+async def test_entries_redis_lost_and_fail_open_admissions_are_recorded_once_it_returns(
+        redis: RedisServer, service_factory: Any) -> None:
+    """Redis restarts empty (a crash, or a failover that lost recent writes): every request
+    still running is in the ledger again within a third of its lease."""
+    svc, stub, _ = await service_factory(settings(redis.url, lease_grace_ms=600))
+    before, verdict, _ = await ask(stub)
+    assert verdict == "continue" and leases(redis) == 1
+    redis.kill()
+    during, verdict, _ = await ask(stub)  # admitted on the local view, not recorded
+    assert verdict == "continue" and fallbacks(svc, "fail_open") == 1
+    redis.start()  # empty
+    assert leases(redis) == 0
+    took = await until(lambda: leases(redis) == 2, 3, "both running requests recorded")
+    assert took < 1.5
+    await before.close()
+    await during.close()
+    assert leases(redis) == 0
+
+
+async def test_a_release_redis_missed_is_retried_long_before_the_lease_ends(
+        redis: RedisServer, service_factory: Any) -> None:
+    svc, stub, _ = await service_factory(settings(redis.url, lease_grace_ms=60_000))
+    s, verdict, _ = await ask(stub)
+    assert verdict == "continue" and leases(redis) == 1
+    redis.pause()
+    await s.close()  # the release times out: deferred to the sweeper
+    redis.resume()
+    took = await until(lambda: leases(redis) == 0, 3, "deferred release applied")
+    assert took < 1.0  # a minute before the lease would have ended it
+    assert isinstance(svc.gate.ledger, RedisLedger)

@@ -1,0 +1,144 @@
+"""``extproc replay`` end to end, and the decision log from the gateway to the replay."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from extproc import cli, config, decisionlog, workload
+from extproc.admission import Outcome
+from extproc.capacity import StaticCapacity
+from extproc.errors import ConfigError
+from extproc.gate import Gate
+from extproc.ledger.memory import MemoryLedger
+from extproc.metrics import Metrics
+from extproc.sim import replay
+
+
+def small_trace(path: Path, n: int = 1500, rate: float = 40.0) -> None:
+    rng = random.Random(5)
+    arrivals = workload.poisson_arrivals(rate, n / rate, rng)
+    mix = workload.Mix(workload.LogNormal(6.0, 0.6), workload.LogNormal(4.0, 0.6),
+                       max_tokens=256)
+    workload.write_jsonl(workload.synthetic(arrivals, mix, rng), path)
+
+
+def test_replay_prints_the_table_and_writes_summary_and_plot(tmp_path: Path) -> None:
+    trace = tmp_path / "jobs.jsonl"
+    small_trace(trace)
+    out = io.StringIO()
+    rc = replay.run(trace=str(trace), scale=2.0, replicas=2, out=str(tmp_path / "out"),
+                    policies=["none", "naive", "default"], progress=False, stream=out)
+    assert rc == 0
+    text = out.getvalue()
+    for word in ("goodput", "SLO attainment", "TTFT", "GPU-s wasted", "none", "default"):
+        assert word in text
+    data = json.loads((tmp_path / "out" / "jobs.json").read_text())
+    assert [p["policy"] for p in data["policies"]] == ["none", "naive", "default"]
+    assert data["policies"][2]["queue_delay_min_avoided"] >= 0
+    png = (tmp_path / "out" / "jobs.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_the_cli_runs_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    small_trace(trace, n=300)
+    assert cli.main(["replay", "--trace", str(trace), "--rate-x", "3", "--replicas", "1",
+                     "--policies", "naive,default", "--quiet"]) == 0
+    assert "goodput" in capsys.readouterr().out
+    assert cli.main(["replay", "--trace", str(trace), "--policies", "nope"]) == 2
+    assert "unknown nope" in capsys.readouterr().err
+
+
+def test_replay_refuses_contradictory_arguments() -> None:
+    with pytest.raises(ConfigError, match="exactly one"):
+        replay.run(progress=False)
+    with pytest.raises(ConfigError, match="at most one"):
+        replay.run(scenario="bursty", scale=2.0, rate_x=2.0, progress=False)
+
+
+def gate_with_log(path: Path, mode: str) -> tuple[Gate, config.Config]:
+    c = config.from_mapping({
+        "mode": mode, "decision_log": str(path),
+        "pools": [{"name": "llama", "replicas": 1, "max_running": 2}],
+    })
+    return Gate(c, MemoryLedger(), StaticCapacity(c.pools), Metrics()), c
+
+
+def test_the_gateway_logs_each_decision_without_prompt_text(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    gate, c = gate_with_log(log, "shadow")
+    route = c.route("/v1/chat/completions")
+    assert route is not None
+    secret = "the patient's name is " + "x" * 400
+    body = json.dumps({"model": "m", "max_tokens": 64,
+                       "messages": [{"role": "user", "content": secret}]}).encode()
+
+    async def run() -> None:
+        verdicts = [await gate.check(route, "/v1/chat/completions", {}, body) for _ in range(5)]
+        await asyncio.sleep(0.01)
+        for v in verdicts:
+            assert v.ticket is not None  # shadow mode: everything runs
+            await gate.settle(v.ticket)
+        assert gate.decision_log is not None
+        gate.decision_log.close()
+
+    asyncio.run(run())
+    text = log.read_text()
+    assert "patient" not in text and "xxxx" not in text
+    records = list(decisionlog.read(log))
+    assert len(records) == 5
+    assert {r.mode for r in records} == {"shadow"}
+    assert all(r.charged_tokens == 64 and r.prompt_tokens > 50 for r in records)
+    assert all(r.duration_ms is not None and r.duration_ms >= 5 for r in records)
+    assert any(r.decision == Outcome.REJECT.value for r in records)  # what enforcing would do
+
+
+def test_a_rejected_request_is_logged_at_once_without_duration(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    gate, c = gate_with_log(log, "enforce")
+    route = c.route("/v1/chat/completions")
+    assert route is not None
+    body = json.dumps({"model": "m", "max_tokens": 64,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+    async def run() -> list[Outcome]:
+        verdicts = [await gate.check(route, "/v1/chat/completions", {}, body) for _ in range(6)]
+        assert gate.decision_log is not None
+        gate.decision_log.flush()
+        return [v.outcome for v in verdicts]
+
+    outcomes = asyncio.run(run())
+    assert Outcome.REJECT in outcomes
+    written = list(decisionlog.read(log))
+    assert len(written) == outcomes.count(Outcome.REJECT)  # the admitted end later
+    assert all(r.duration_ms is None and r.decision == "reject" for r in written)
+
+
+def test_a_decision_log_replays_as_a_workload(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    writer = decisionlog.DecisionLog(log)  # no event loop: each line is written at once
+    for i in range(400):
+        writer.write(decisionlog.Record(
+            1_700_000_000.0 + i * 0.05, "default", "latency", 500 + i, 256, 30_000.0, "admit",
+            "fits", "shadow", 1000.0, 0.0, duration_ms=None if i % 10 == 0 else 900.0 + i))
+    writer.close()
+    assert workload.sniff(log) == "decisions"
+    jobs = workload.read_decision_log(log)
+    assert len(jobs) == 400 and jobs[0].arrival_s == 0.0
+    assert jobs[1].output_tokens == round((901 - 501 * 0.08) / 31.2)  # from the duration
+    assert jobs[0].output_tokens == 256  # no duration: the charge
+    out = io.StringIO()
+    assert replay.run(trace=str(log), policies=["none", "default"], progress=False,
+                      stream=out) == 0
+    assert "default" in out.getvalue()
+
+
+def test_decision_log_config_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="decision_log"):
+        config.from_mapping({"decision_log": "/no/such/dir/log.jsonl"})

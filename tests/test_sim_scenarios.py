@@ -1,0 +1,160 @@
+"""The numbers we judge the default by, on seeded deterministic runs (virtual time).
+
+Every scenario's policies run once, spread over two processes (module fixture). The incident
+runs at a quarter of its fleet (3 replicas, same per-replica load) for its first 30 minutes,
+which holds the whole story; ``extproc replay --scenario incident`` runs it in full. Where the
+simulator shows a target is not met, the test is a strict xfail that states the measured gap:
+it turns into a failure, asking for the mark to go, the day the model meets it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from extproc.sim import policies, scenarios
+from extproc.sim.run import Result, Scenario, simulate
+from extproc.workload import read_azure
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+KEYS = ("incident", "conv-1.5", "conv-3", "code-1.5", "code-3")
+POLICIES = ("naive", "article", "default", "oracle")
+
+
+def scenario(key: str) -> Scenario:
+    if key == "incident":
+        return scenarios.incident(fleet_scale=0.25, minutes=30)
+    trace, load = key.split("-")
+    return scenarios.azure(trace, TRACES / f"azure-llm-2023-{trace}.csv", load=float(load))
+
+
+def _run(job: tuple[str, str]) -> tuple[str, str, Result]:
+    key, name = job
+    return key, name, simulate(scenario(key), policies.make(name))
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict[str, Result]]:
+    jobs = [("incident", "none")] + [(k, p) for k in KEYS for p in POLICIES]
+    out: dict[str, dict[str, Result]] = {k: {} for k in KEYS}
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        for key, name, result in pool.map(_run, jobs):
+            out[key][name] = result
+    return out
+
+
+def gap(reason: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+# ---- the reference incident's story --------------------------------------------------------
+
+def minute(r: Result, sc: Scenario, hh: int, mm: int) -> int:
+    """Index of the sample at a wall-clock minute of the incident."""
+    t = (hh * 3600 + mm * 60) - sc.clock_origin_s
+    return min(range(len(r.series.t)), key=lambda i: abs(r.series.t[i] - t))
+
+
+def test_without_admission_the_queue_eats_the_morning(runs: dict[str, dict[str, Result]]
+                                                      ) -> None:
+    sc = scenario("incident")
+    none, default = runs["incident"]["none"], runs["incident"]["default"]
+    # p95 far beyond the 30 s client timeout: most requests never finish in time
+    assert none.latency(0.50) > 300 and none.latency(0.95) > 600
+    # goodput collapses from minutes after the spike to the end of the window (20+ minutes)
+    a, b = minute(none, sc, 8, 5), minute(none, sc, 8, 25)
+    assert sum(none.series.good[a:b]) < 0.02 * sum(default.series.good[a:b])
+    # while replicas pile up: HPA doubles the fleet (12 -> 24 at full scale)
+    assert none.peak_replicas == 2 * sc.replicas
+    assert none.gpu_wasted_s > 0.5 * none.gpu_s
+
+
+def test_with_admission_a_small_shed_keeps_p95_near_the_slo(runs: dict[str, dict[str, Result]]
+                                                            ) -> None:
+    sc = scenario("incident")
+    default, none = runs["incident"]["default"], runs["incident"]["none"]
+    spike = minute(default, sc, 8, 1), minute(default, sc, 8, 8)
+    assert sum(default.series.rejected[spike[0]:spike[1]]) > 0  # 429s during the spike
+    calm = minute(default, sc, 8, 12), len(default.series.t)
+    after = sum(default.series.rejected[calm[0]:calm[1]])
+    assert after < 0.01 * sum(default.series.arrivals[calm[0]:calm[1]])  # hardly after it
+    assert default.shed_share < 0.10  # jobs that gave up after their retries
+    assert default.latency(0.95) < 2.5  # SLO p95 ~2 s, deadline 4 s
+    assert max(p for p in default.series.p95_s if p == p) < 4.0
+    assert default.peak_replicas == 4 < none.peak_replicas  # 16 instead of 24 at full scale
+    assert default.goodput > 5 * none.goodput  # none keeps only its pre-spike minutes
+
+
+# ---- the numbers we judge by ---------------------------------------------------------------
+
+@pytest.mark.parametrize("key", [
+    "incident", "conv-1.5", "conv-3", "code-1.5",
+    pytest.param("code-3", marks=gap("98.99% of admitted code requests finish in time at 3x:"
+                                     " prefill stalls of 7k-token prompts")),
+])
+def test_99_percent_of_admitted_requests_meet_their_deadline(
+        runs: dict[str, dict[str, Result]], key: str) -> None:
+    assert runs[key]["default"].attainment >= 0.99
+
+
+@pytest.mark.parametrize("key", [
+    "incident", "conv-1.5", "conv-3",
+    pytest.param("code-1.5", marks=gap("78% of the oracle: code outputs are heavy-tailed"
+                                       " (p50 13, p99 252); knowing them picks short ones")),
+    pytest.param("code-3", marks=gap("84% of the oracle, for the same reason")),
+])
+def test_default_reaches_95_percent_of_the_oracle(runs: dict[str, dict[str, Result]],
+                                                  key: str) -> None:
+    r = runs[key]
+    assert r["default"].goodput >= 0.95 * r["oracle"].goodput
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_default_beats_the_articles_formula(runs: dict[str, dict[str, Result]],
+                                            key: str) -> None:
+    r = runs[key]
+    assert r["default"].goodput > r["article"].goodput
+
+
+@pytest.mark.parametrize("key", [
+    pytest.param("incident", marks=gap("2% below naive: a 16-slot engine's cap is the right"
+                                       " concurrency here, and the default protects p99 outputs"
+                                       " that naive lets run late")),
+    pytest.param("conv-1.5", marks=gap("a tie (7.811 vs 7.813/s): with 7 s slots and a 2 s TTFT"
+                                       " objective no queue is safe, so both fill free slots")),
+    "conv-3", "code-1.5", "code-3",
+])
+def test_default_beats_naive_capacity(runs: dict[str, dict[str, Result]], key: str) -> None:
+    r = runs[key]
+    assert r["default"].goodput > r["naive"].goodput
+
+
+def test_default_never_falls_far_behind_naive(runs: dict[str, dict[str, Result]]) -> None:
+    """Where it does not win, it stays within a few percent, with a better tail."""
+    for key in KEYS:
+        r = runs[key]
+        assert r["default"].goodput >= 0.97 * r["naive"].goodput, key
+        assert r["default"].latency(0.99) <= r["naive"].latency(0.99) * 1.05, key
+
+
+# ---- speed and determinism -----------------------------------------------------------------
+
+def test_an_hour_of_the_conversation_trace_runs_in_seconds() -> None:
+    jobs = read_azure(TRACES / "azure-llm-2023-conv.csv", max_tokens=1024)
+    sc = scenarios.replay("conv-hour", jobs, replicas=4, rate_x=1.0)
+    started = time.process_time()
+    result = simulate(sc, policies.make("default"))
+    elapsed = time.process_time() - started
+    assert result.attempts >= 19_366 and result.completed >= 19_000
+    assert elapsed < 20.0, f"{elapsed:.1f} s of CPU for the hour"
+
+
+def test_the_same_seed_gives_the_same_run() -> None:
+    a = simulate(scenarios.bursty(duration_s=120, seed=7), policies.make("default")).summary()
+    b = simulate(scenarios.bursty(duration_s=120, seed=7), policies.make("default")).summary()
+    c = simulate(scenarios.bursty(duration_s=120, seed=8), policies.make("default")).summary()
+    assert a == b
+    assert a != c
