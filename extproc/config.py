@@ -8,6 +8,7 @@ are errors too: a typo must not silently fall back to a default.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from extproc.autoscale import ScalingPolicy
 from extproc.errors import ConfigError
 
 T = TypeVar("T")
@@ -144,6 +146,23 @@ class LedgerConfig:
 
 
 @dataclass(frozen=True)
+class CapacityConfig:
+    """Where ready replicas come from (see extproc.capacity)."""
+
+    source: str = "static"  # static: pools[].replicas | envoy: Envoy admin | kubernetes
+    envoy_admin_url: str = "http://127.0.0.1:9901"
+    services: Mapping[str, str] = field(default_factory=dict)  # pool -> "namespace/service"
+    hold_s: float = 10.0  # keep the last value this long when the source fails...
+    floor: int = 1  # ...then assume at most this many ready replicas
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    window_s: float = 15.0  # the control window
+    policy: ScalingPolicy = field(default_factory=ScalingPolicy)  # extproc.autoscale
+
+
+@dataclass(frozen=True)
 class TracingConfig:
     endpoint: str | None = None  # OTLP gRPC, e.g. "http://jaeger-collector:4317"; None: off
     sample_ratio: float = 1.0  # for root spans; a sampled parent (Envoy's) is always followed
@@ -173,6 +192,9 @@ class Config:
     retry_after: RetryAfter = field(default_factory=RetryAfter)
     decision_log: str | None = None  # JSONL of every decision, for extproc replay
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    keda_listen: str | None = None  # KEDA external scaler gRPC (HOST:PORT); None: off
 
     def route(self, path: str) -> Route | None:
         """The route for a request path (query string ignored), or None to pass it untouched."""
@@ -320,6 +342,8 @@ def from_mapping(raw: Any) -> Config:
             f" (got {retry_after.max_s})"
         )
 
+    capacity = _capacity(r, top.pop("capacity", None), pools)
+    autoscale = _autoscale(r, top.pop("autoscale", None))
     tr = r.section(top.pop("tracing", None), "tracing")
     tracing = TracingConfig(
         endpoint=r.take(tr, "tracing.", "endpoint", str, "",
@@ -348,6 +372,9 @@ def from_mapping(raw: Any) -> Config:
         retry_after=retry_after,
         decision_log=r.take(top, "", "decision_log", str, "", _writable_dir) or None,
         tracing=tracing,
+        capacity=capacity,
+        autoscale=autoscale,
+        keda_listen=r.take(top, "", "keda_listen", str, "", _address) or None,
     )
     r.leftovers(top, "")
     if problems:
@@ -494,6 +521,54 @@ def _sentinel(r: _Reader, raw: Any) -> RedisSentinel | None:
                   lambda v: None if v else "must not be empty")
     r.leftovers(body, p)
     return RedisSentinel(addresses=tuple(addresses), service_name=name)
+
+
+def _capacity(r: _Reader, raw: Any, pools: tuple[Pool, ...]) -> CapacityConfig:
+    body = r.section(raw, "capacity")
+    p = "capacity."
+    services = body.pop("services", {})
+    if not isinstance(services, Mapping) or not all(
+            isinstance(v, str) and v.count("/") == 1 for v in services.values()):
+        r.problems.append(f"{p}services: must map pool names to 'namespace/service'")
+        services = {}
+    for name in services:
+        if name not in {pool.name for pool in pools}:
+            r.problems.append(f"{p}services: {name!r} is not a pool name")
+    out = CapacityConfig(
+        source=r.take(body, p, "source", str, "static",
+                      lambda v: None if v in ("static", "envoy", "kubernetes")
+                      else "must be one of 'static', 'envoy', 'kubernetes'"),
+        envoy_admin_url=r.take(body, p, "envoy_admin_url", str, "http://127.0.0.1:9901",
+                               lambda v: None if v.startswith("http://") else "must be http://"),
+        services=dict(services),
+        hold_s=r.take(body, p, "hold_s", float, 10.0, _non_negative),
+        floor=r.take(body, p, "floor", int, 1, _non_negative),
+    )
+    r.leftovers(body, p)
+    if out.source == "kubernetes":
+        for pool in pools:
+            if pool.name not in out.services:
+                r.problems.append(f"{p}services: pool {pool.name!r} needs its Service")
+    return out
+
+
+def _autoscale(r: _Reader, raw: Any) -> AutoscaleConfig:
+    """``window_s`` plus any field of ``ScalingPolicy``, validated by it."""
+    body = r.section(raw, "autoscale")
+    p = "autoscale."
+    window_s = r.take(body, p, "window_s", float, 15.0, _positive)
+    defaults = {f.name: f.default for f in dataclasses.fields(ScalingPolicy)}
+    values: dict[str, Any] = {}
+    for key in [k for k in body if k in defaults]:
+        kind: Callable[[Any], Any] = int if isinstance(defaults[key], int) else float
+        values[key] = r.take(body, p, key, kind, defaults[key])
+    r.leftovers(body, p)
+    try:
+        policy = ScalingPolicy(**values)
+    except ConfigError as exc:
+        r.problems.extend(exc.problems)
+        policy = ScalingPolicy()
+    return AutoscaleConfig(window_s=window_s, policy=policy)
 
 
 def _enum(kind: type[Any]) -> Callable[[Any], Any]:

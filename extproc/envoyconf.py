@@ -22,6 +22,7 @@ Choices made here, each matching what the server expects:
 from __future__ import annotations
 
 import ipaddress
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,12 @@ from extproc.config import Config
 BUFFER_SLACK_BYTES = 1024
 _BIG = 100_000
 _TYPE = "type.googleapis.com/envoy."
+_HTTP2 = {  # gRPC upstreams
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,18 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
                 "@type": _TYPE + "extensions.filters.http.router.v3.Router"}},
         ],
     }
+    otel = _collector(config.tracing.endpoint)
+    if otel is not None:
+        # Envoy's own span for each request, exported to the same collector as ours; the
+        # ext_proc gRPC call carries its trace context, so our decision span is its child.
+        hcm["tracing"] = {
+            "random_sampling": {"value": config.tracing.sample_ratio * 100.0},
+            "provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
+                "@type": _TYPE + "config.trace.v3.OpenTelemetryConfig",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "otel"}, "timeout": "1s"},
+                "service_name": "envoy",
+            }},
+        }
     if topo.access_log:
         hcm["access_log"] = [{"name": "envoy.access_loggers.stdout", "typed_config": {
             "@type": _TYPE + "extensions.access_loggers.stream.v3.StdoutAccessLog"}}]
@@ -168,20 +187,35 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
                     "name": "extproc",
                     "type": "STATIC",
                     "connect_timeout": "1s",
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
-                        },
-                    },
+                    "typed_extension_protocol_options": _HTTP2,
                     "circuit_breakers": _breakers(),
                     "load_assignment": {"cluster_name": "extproc", "endpoints": [{
                         "lb_endpoints": [{"endpoint": {"address": _address(h, p)}}
                                          for h, p in (topo.extproc, *topo.extra_extprocs)],
                     }]},
                 },
+                *([_otel_cluster(*otel)] if otel is not None else []),
             ],
         },
+    }
+
+
+def _collector(endpoint: str | None) -> tuple[str, int] | None:
+    if not endpoint:
+        return None
+    url = urllib.parse.urlsplit(endpoint)
+    return url.hostname or "127.0.0.1", url.port or 4317
+
+
+def _otel_cluster(host: str, port: int) -> dict[str, Any]:
+    return {
+        "name": "otel",
+        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": _HTTP2,
+        "load_assignment": {"cluster_name": "otel", "endpoints": [{
+            "lb_endpoints": [{"endpoint": {"address": _address(host, port)}}],
+        }]},
     }
 
 

@@ -37,17 +37,21 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from extproc import decisionlog
 from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot, decide
 from extproc.capacity import CapacitySource
-from extproc.config import Config, Infeasible, Mode, OnUnavailable, Pool, Route
+from extproc.config import Config, Infeasible, Mode, OnUnavailable, Pool, Route, TracingConfig
 from extproc.errors import BadRequest, LedgerUnavailable, RequestError
 from extproc.estimate import TokenCounter, counter_for, estimate
 from extproc.ledger import Entry, Ledger
 from extproc.metrics import Metrics
 from extproc.request import InferenceRequest, parse
+from extproc.telemetry import DecisionSpan, Tracing
+
+if TYPE_CHECKING:
+    from extproc.control import Control
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,8 @@ class Verdict:
     ticket: Ticket | None = None
     enforced: bool = True  # False in shadow mode: the request continues whatever the outcome
     prompt_tokens: int = 0
+    output_tokens: int = 0  # output charged
+    model: str | None = None  # the requested model, set only when tracing (a span attribute)
 
     @property
     def blocks(self) -> bool:
@@ -127,6 +133,8 @@ class Gate:
             p.name: counter_for(p) for p in config.pools
         }
         self._views: dict[str, _View] = {}
+        self.control: Control | None = None  # the autoscaling loop counts what we decide
+        self.tracing: Tracing = Tracing(TracingConfig())  # off unless the service sets it
         self.decision_log = (decisionlog.DecisionLog(config.decision_log)
                              if config.decision_log else None)
         self._deferred: dict[str, str] = {}  # request id -> pool: releases to retry
@@ -154,10 +162,17 @@ class Gate:
         return Policy(deadline_ms=deadline, safety_factor=cls.safety_factor, ttft_ms=cls.ttft_ms)
 
     async def check(self, route: Route, path: str, headers: Mapping[str, str],
-                    body: bytes) -> Verdict:
-        started = time.perf_counter()
-        verdict = await self._check(route, path, headers, body)
-        self.metrics.observe(verdict, self.config.mode, time.perf_counter() - started)
+                    body: bytes, trace: Mapping[str, str] | None = None) -> Verdict:
+        """Decide one request. ``trace``: the gRPC call's W3C trace context (Envoy's span)."""
+        with self.tracing.span(trace or {}, headers) as span:
+            started = time.perf_counter()
+            verdict = await self._check(route, path, headers, body)
+            elapsed = time.perf_counter() - started
+            self.metrics.observe(verdict, self.config.mode, elapsed)
+            if self.control is not None:
+                self.control.decided(verdict)
+            if self.tracing.enabled:
+                _annotate(span, verdict, elapsed, self.config.mode.value)
         return verdict
 
     async def _check(self, route: Route, path: str, headers: Mapping[str, str],
@@ -176,6 +191,8 @@ class Gate:
         except RequestError as exc:
             return self._refuse(exc, pool.name, cls)
         verdict = await self._admit(pool, cls, cost, policy)
+        if self.tracing.enabled:
+            verdict = dataclasses.replace(verdict, model=request.model)
         if self.decision_log is not None:
             self._log_decision(verdict, cost, policy)
         return verdict
@@ -235,7 +252,8 @@ class Gate:
     def _verdict(self, decision: Decision, pool: str, cls: str, cost: Cost) -> Verdict:
         enforced = self.config.mode is Mode.ENFORCE
         verdict = Verdict(decision.outcome, decision.reason, pool, cls, decision,
-                          enforced=enforced, prompt_tokens=cost.prompt_tokens)
+                          enforced=enforced, prompt_tokens=cost.prompt_tokens,
+                          output_tokens=cost.output_tokens)
         if decision.reason is Reason.INFEASIBLE and self.config.infeasible is Infeasible.REJECT:
             error = BadRequest(
                 "request cannot finish within its deadline even on an idle fleet; lower"
@@ -345,9 +363,12 @@ class Gate:
             except LedgerUnavailable:
                 ok = False
 
-    async def settle(self, ticket: Ticket) -> None:
-        """Release a ticket's entry; shielded, so a cancelled stream still releases."""
+    async def settle(self, ticket: Ticket, completed: bool = True) -> None:
+        """Release a ticket's entry; shielded, so a cancelled stream still releases.
+        ``completed``: the request ended normally (not cancelled, not failed)."""
         ticket.settled = True
+        if self.control is not None:
+            self.control.settled(ticket, completed)
         if ticket.renewer is not None:
             ticket.renewer.cancel()
         if ticket.log is not None and self.decision_log is not None:
@@ -380,6 +401,21 @@ class Gate:
             await self._ledger("release", self.ledger.release(request_id, pool))
             del self._deferred[request_id]
         return await self._ledger("expire", self.ledger.expire())
+
+
+def _annotate(span: DecisionSpan, verdict: Verdict, seconds: float, mode: str) -> None:
+    """The decision's explanation on its span: never prompt text."""
+    d = verdict.decision
+    span.set(model=verdict.model, pool=verdict.pool, service_class=verdict.service_class,
+             mode=mode,
+             outcome=verdict.outcome.value, reason=verdict.reason.value,
+             prompt_tokens=verdict.prompt_tokens or None,
+             output_tokens_charged=verdict.output_tokens or None,
+             decision_ms=round(seconds * 1000.0, 3))
+    if d is not None:
+        span.set(wait_ms=d.wait_ms, ttft_ms=d.ttft_ms, completion_ms=d.completion_ms,
+                 budget_ms=d.budget_ms, service_ms=d.service_ms,
+                 retry_after_ms=d.retry_after_ms)
 
 
 def _contended(verdict: Verdict) -> Verdict:

@@ -21,6 +21,10 @@ from prometheus_client import (
 from extproc.config import Mode
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from extproc.autoscale import Recommendation, Window
+    from extproc.capacity import Replicas
     from extproc.gate import Verdict
 
 _WAIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
@@ -68,6 +72,30 @@ class Metrics:
         self.ledger_up = Gauge(
             "extproc_ledger_up", "1 while the ledger answers its health probe, else 0.",
             registry=self.registry)
+        # the autoscaling loop, once per control window (extproc.control)
+        self.reject_ratio = Gauge(
+            "extproc_admission_reject_ratio",
+            "Rejected / (admitted + rejected) over the last control window.",
+            ["pool"], registry=self.registry)
+        self.queue_oldest_age = Gauge(
+            "extproc_queue_oldest_age_seconds",
+            "Age of the oldest admitted request still running (monotonic clock).",
+            ["pool", "class"], registry=self.registry)
+        self.queue_depth = Gauge(
+            "extproc_queue_depth", "Admitted requests beyond the pool's batch slots.",
+            ["pool"], registry=self.registry)
+        self.pool_replicas = Gauge(
+            "extproc_pool_replicas", "Replicas by state: ready, starting, draining, unhealthy.",
+            ["pool", "state"], registry=self.registry)
+        self.desired_replicas = Gauge(
+            "extproc_autoscale_desired_replicas", "The replica recommendation.",
+            ["pool"], registry=self.registry)
+        self.unmet_replicas = Gauge(
+            "extproc_autoscale_unmet_replicas", "Replicas wanted above max_replicas.",
+            ["pool"], registry=self.registry)
+        self.recommendations = Counter(
+            "extproc_autoscale_recommendations", "Recommendations, one per control window.",
+            ["pool", "direction", "reason", "reading"], registry=self.registry)
 
     def ledger_breaker(self, state: int) -> None:
         self.ledger_breaker_state.set(int(state))
@@ -83,6 +111,20 @@ class Metrics:
 
     def inflight(self, pool: str, delta: int) -> None:
         self.inflight_requests.labels(pool).inc(delta)
+
+    def publish_window(self, pool: str, window: Window, rec: Recommendation,
+                       ages: Mapping[str, float], replicas: Replicas) -> None:
+        decided = window.admitted + window.rejected
+        self.reject_ratio.labels(pool).set(window.rejected / decided if decided else 0.0)
+        for cls, age in ages.items():
+            self.queue_oldest_age.labels(pool, cls).set(age)
+        self.queue_depth.labels(pool).set(window.queue_depth)
+        for state in ("ready", "starting", "draining", "unhealthy"):
+            self.pool_replicas.labels(pool, state).set(getattr(replicas, state))
+        self.desired_replicas.labels(pool).set(rec.desired)
+        self.unmet_replicas.labels(pool).set(rec.unmet)
+        self.recommendations.labels(pool, rec.direction.value, rec.reason.value,
+                                    rec.reading.value).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,14 +39,23 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc import responses
-from extproc.capacity import StaticCapacity
+from extproc.capacity import (
+    CapacitySource,
+    EnvoyAdminCapacity,
+    KubernetesCapacity,
+    StaticCapacity,
+)
 from extproc.config import Config
+from extproc.control import Control
 from extproc.errors import BodyTooLarge, LedgerUnavailable
 from extproc.gate import Gate, Ticket, Verdict
+from extproc.keda import ExternalScaler
+from extproc.keda import add_to_server as add_scaler
 from extproc.ledger import Ledger
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 from extproc.metrics import Metrics
+from extproc.telemetry import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +92,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[pb.ProcessingResponse]:
         self.open_streams += 1
         ticket: Ticket | None = None
+        completed = False
         try:
             headers: Mapping[str, str] = {}
             async for message in requests:
@@ -91,7 +101,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     headers = header_map(message.request_headers)
                     answer, verdict = await self._on_headers(message.request_headers, headers)
                 elif phase == "request_body":
-                    answer, verdict = await self._on_body(message.request_body, headers)
+                    answer, verdict = await self._on_body(message.request_body, headers,
+                                                          _trace_context(context))
                 else:
                     answer, verdict = _continue(phase), None
                 if verdict is not None:
@@ -99,10 +110,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield answer
                 if answer.HasField("immediate_response"):
                     return
+            completed = True  # Envoy closed the stream cleanly: the request finished
         finally:
             self.open_streams -= 1
             if ticket is not None:
-                await self.gate.settle(ticket)
+                await self.gate.settle(ticket, completed)
 
     async def _on_headers(
         self, message: pb.HttpHeaders, headers: Mapping[str, str]
@@ -119,7 +131,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return responses.continue_headers(), None
 
     async def _on_body(
-        self, message: pb.HttpBody, headers: Mapping[str, str]
+        self, message: pb.HttpBody, headers: Mapping[str, str], trace: Mapping[str, str]
     ) -> tuple[pb.ProcessingResponse, Verdict | None]:
         path = headers.get(":path", "")
         route = self.config.route(path)
@@ -127,7 +139,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return responses.continue_body(), None
         if not message.end_of_stream or len(message.body) > self.config.max_body_bytes:
             return self._answer(self._too_large(route.service_class))
-        return self._answer(await self.gate.check(route, path, headers, message.body))
+        return self._answer(await self.gate.check(route, path, headers, message.body, trace))
 
     def _too_large(self, service_class: str) -> Verdict:
         error = BodyTooLarge(f"request body exceeds the limit of {self.config.max_body_bytes}"
@@ -142,6 +154,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         retry_ms = verdict.decision.retry_after_ms if verdict.decision else None
         retry_s = responses.retry_after_s(retry_ms, self.config.retry_after, self.rng)
         return responses.overloaded(verdict.reason, retry_s), verdict
+
+
+def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """W3C trace context Envoy's tracer put in the gRPC call's metadata, if any."""
+    return {k: v for k, v in (context.invocation_metadata() or ())
+            if k in ("traceparent", "tracestate") and isinstance(v, str)}
 
 
 def _continue(phase: str | None) -> pb.ProcessingResponse:
@@ -161,8 +179,16 @@ class Service:
     def __init__(self, config: Config, gate: Gate | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.gate = gate or Gate(config, build_ledger(config, self.metrics),
-                                 StaticCapacity(config.pools), self.metrics)
+        self.capacity = build_capacity(config)
+        self.gate = gate or Gate(config, build_ledger(config, self.metrics), self.capacity,
+                                 self.metrics)
+        self.control = Control({p.name: config.autoscale.policy for p in config.pools},
+                               self.gate.capacity, self.metrics,
+                               classes=tuple(config.classes), window_s=config.autoscale.window_s)
+        self.gate.control = self.control
+        self.tracing = Tracing(config.tracing)
+        self.gate.tracing = self.tracing
+        self.keda: grpc.aio.Server | None = None
         self.ledger_up: bool | None = None
         self.processor = Processor(self.gate)
         self.health = health.aio.HealthServicer()
@@ -178,6 +204,7 @@ class Service:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.grpc_port = 0
         self.metrics_port = 0
+        self.keda_port = 0
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
@@ -186,6 +213,17 @@ class Service:
     async def start(self) -> None:
         self.grpc_port = self.server.add_insecure_port(self.config.listen)
         await self.server.start()
+        if self.config.keda_listen:
+            scaler = ExternalScaler(self.control.recommendation)
+            self.control.listeners.append(scaler.notify)
+            self.keda = grpc.aio.server()
+            add_scaler(scaler, self.keda)
+            self.keda_port = self.keda.add_insecure_port(self.config.keda_listen)
+            await self.keda.start()
+        starter = getattr(self.capacity, "start", None)
+        if starter is not None:
+            await starter()
+        self._tasks.append(asyncio.create_task(self.control.run()))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.probe_ledger()
@@ -265,6 +303,12 @@ class Service:
     async def stop(self) -> None:
         self._closing = True
         await self.server.stop(grace=0.5)
+        if self.keda is not None:
+            await self.keda.stop(grace=0.5)
+        closer = getattr(self.capacity, "close", None)
+        if closer is not None:
+            await closer()
+        self.tracing.shutdown()
         for task in self._tasks:
             task.cancel()
         if self._tasks:  # bounded: a task that lost its cancellation must not block the exit
@@ -278,6 +322,18 @@ class Service:
 
     async def wait(self) -> None:
         await self._stopping.wait()
+
+
+def build_capacity(config: Config) -> CapacitySource:
+    """The configured source of ready replicas (``capacity.source``)."""
+    cap = config.capacity
+    if cap.source == "envoy":
+        return EnvoyAdminCapacity(config.pools, cap.envoy_admin_url, hold_s=cap.hold_s,
+                                  floor=cap.floor)
+    if cap.source == "kubernetes":
+        return KubernetesCapacity(config.pools, cap.services, hold_s=cap.hold_s,
+                                  floor=cap.floor)
+    return StaticCapacity(config.pools)
 
 
 async def serve(config: Config) -> None:
