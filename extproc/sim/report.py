@@ -121,8 +121,8 @@ def table(scenario: Scenario, results: Sequence[Result]) -> str:
     rows = figures(results)
     lines: list[tuple[str, list[str]]] = [
         ("goodput (req/s)", [_fmt(r["goodput_rps"], 3) for r in rows]),
-        ("  vs oracle", [_fmt(None if r["goodput_vs_oracle"] is None
-                              else 100 * r["goodput_vs_oracle"], 1) + "%" for r in rows]),
+        ("  vs oracle", ["-" if r["goodput_vs_oracle"] is None
+                         else _fmt(100 * r["goodput_vs_oracle"], 1) + "%" for r in rows]),
         ("SLO attainment (admitted)", [_fmt(100 * r["attainment"], 2) + "%" for r in rows]),
         ("reject share (429s)", [_fmt(100 * r["reject_share"], 1) + "%" for r in rows]),
         ("jobs shed", [_fmt(100 * r["shed_share"], 1) + "%" for r in rows]),
@@ -196,7 +196,7 @@ def plot(scenario: Scenario, results: Sequence[Result], path: str | os.PathLike[
     axes[2][0].set_ylabel("replicas")
     axes[1][0].legend(fontsize=7, loc="upper left")
     axes[2][0].legend(fontsize=7, loc="upper left")
-    fig.suptitle(title or f"{scenario.name}: {scenario.description}", fontsize=9)
+    fig.suptitle(title or f"{scenario.name}: {scenario.description}", fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
