@@ -309,6 +309,8 @@ class Service:
         if closer is not None:
             await closer()
         self.tracing.shutdown()
+        if self.gate.decision_log is not None:
+            self.gate.decision_log.close()
         for task in self._tasks:
             task.cancel()
         if self._tasks:  # bounded: a task that lost its cancellation must not block the exit

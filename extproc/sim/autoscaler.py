@@ -10,7 +10,7 @@ A recommender is one method, ``recommend(obs) -> int``: plug any policy in. The 
 recommender (``extproc.autoscale``) reads a ``Window`` that maps field for field:
 ``arrivals``, ``admitted``, ``rejected``, ``departures = completed``, ``oldest_age_s =
 oldest_inflight_s``, ``queue_depth = waiting``, ``ready``, ``starting``, ``draining``,
-``utilization``, ``duration_s = window_s``, ``now = now_s``. Two ship here:
+``utilization``, ``duration_s = window_s``, ``now = now_s``. Three ship here:
 
 - ``Fixed``: never scales (the capacity of a static pool);
 - ``HpaUtilization``: the Kubernetes HPA on a GPU-utilization metric, the incident's baseline:
@@ -19,7 +19,12 @@ oldest_inflight_s``, ``queue_depth = waiting``, ``ready``, ``starting``, ``drain
   ready time only, as HPA counts a pod without metrics at 0% when scaling up), unchanged while
   ``load / (ready x target)`` is within the tolerance of 1; starting replicas count as already
   requested; scale-up at most ``max_step`` x per period; scale-down only to the highest
-  recommendation of the last ``scale_down_window_s`` (HPA's stabilization window).
+  recommendation of the last ``scale_down_window_s`` (HPA's stabilization window);
+- ``GatewayRecommender``: the gateway's replica recommender (``extproc.autoscale``) fed that
+  ``Window``; it keeps every recommendation with its time (``log``) so a run can be judged by it.
+
+``make(name, min_replicas=, max_replicas=)`` builds one by name (``AUTOSCALERS``): ``hpa`` or
+``recommender``.
 
 ``utilization`` is throughput utilization: the work the ready replicas did in the window
 (prefill time plus each generated token at its full-batch cost) over their time, the share of
@@ -35,6 +40,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from extproc import autoscale
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +116,46 @@ class HpaUtilization:
         if raw < requested:  # scale down only as far as the window's highest wish
             return max(raw, min(requested, max(r for _, r in history)))
         return raw
+
+
+@dataclass
+class GatewayRecommender:
+    """``extproc.autoscale.Recommender`` behind the simulator's ``recommend(obs) -> int``.
+
+    Replicas the fleet has requested but that are not ready yet are ``starting`` (never
+    capacity: the recommender compares its ask with ``ready + starting``); the fleet makes
+    them ready ``provisioning_s`` after the ask, as for any recommender."""
+
+    policy: autoscale.ScalingPolicy = field(default_factory=autoscale.ScalingPolicy)
+    log: list[tuple[float, autoscale.Recommendation]] = field(default_factory=list,
+                                                              repr=False)  # (now_s, rec)
+
+    def __post_init__(self) -> None:
+        self._recommender = autoscale.Recommender(self.policy)
+
+    @staticmethod
+    def window(obs: Observation) -> autoscale.Window:
+        return autoscale.Window(
+            now=obs.now_s, duration_s=obs.window_s, arrivals=obs.arrivals,
+            admitted=obs.admitted, rejected=obs.rejected, departures=obs.completed,
+            oldest_age_s=obs.oldest_inflight_s, queue_depth=obs.waiting, ready=obs.ready,
+            starting=obs.starting, draining=obs.draining, utilization=obs.utilization)
+
+    def recommend(self, obs: Observation) -> int:
+        rec = self._recommender.observe(self.window(obs))
+        self.log.append((obs.now_s, rec))
+        return rec.desired
+
+
+AUTOSCALERS = ("hpa", "recommender")
+
+
+def make(name: str, *, min_replicas: int, max_replicas: int) -> Recommender:
+    """An autoscaler by name: ``hpa`` (the baseline, utilization target 0.75) or
+    ``recommender`` (the gateway's, default ``ScalingPolicy`` within the same bounds)."""
+    if name == "hpa":
+        return HpaUtilization(target=0.75, min_replicas=min_replicas, max_replicas=max_replicas)
+    if name == "recommender":
+        return GatewayRecommender(autoscale.ScalingPolicy(min_replicas=min_replicas,
+                                                          max_replicas=max_replicas))
+    raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")

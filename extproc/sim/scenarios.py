@@ -24,13 +24,13 @@ import itertools
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from extproc import config as config_mod
 from extproc.errors import ConfigError
 from extproc.fakebackend import EngineModel
-from extproc.sim.autoscaler import HpaUtilization
+from extproc.sim import autoscaler as autoscaler_mod
 from extproc.sim.clients import ClientModel
 from extproc.sim.run import Scenario
 from extproc.workload import (
@@ -86,8 +86,11 @@ def _config(replicas: int, classes: dict[str, Any], engine: EngineModel,
 def replay(name: str, jobs: Sequence[Job], *, replicas: int = 4, load: float | None = None,
            rate_x: float | None = None, engine: EngineModel = ENGINE,
            classes: dict[str, Any] | None = None, clients: ClientModel | None = None,
-           seed: int = 0) -> Scenario:
-    """A fixed fleet serving ``jobs``, time-scaled to ``load`` x capacity or by ``rate_x``."""
+           seed: int = 0, autoscaler: str | None = None, max_replicas: int | None = None,
+           provisioning_s: float = 540.0) -> Scenario:
+    """A fleet serving ``jobs``, time-scaled to ``load`` x capacity or by ``rate_x``. Fixed,
+    or with ``autoscaler`` (``autoscaler.AUTOSCALERS``) between ``replicas`` and
+    ``max_replicas`` (default twice as many), new replicas ready ``provisioning_s`` later."""
     span = max((j.arrival_s for j in jobs), default=0.0)
     if load is not None:
         offered = len(jobs) / span if span else 0.0
@@ -98,22 +101,41 @@ def replay(name: str, jobs: Sequence[Job], *, replicas: int = 4, load: float | N
     classes = classes or CHAT_CLASSES
     for cls in {j.service_class for j in scaled} - set(classes):
         raise ConfigError([f"class {cls!r} of the trace is not configured"])
+    top = max_replicas if max_replicas is not None else 2 * replicas
     return Scenario(
         name=name, jobs=scaled, config=_config(replicas, classes, engine), engine=engine,
         replicas=replicas, clients=clients or ClientModel(timeout_s=60.0), seed=seed,
+        autoscaler=_autoscaler(autoscaler, replicas, top), provisioning_s=provisioning_s,
         description=f"{len(jobs)} requests at {rate_x:.2f}x the trace's rate"
         + (f" ({load:g}x fleet capacity)" if load is not None else "")
-        + f", {replicas} replicas of {engine.max_running} slots",
+        + f", {replicas} replicas of {engine.max_running} slots"
+        + (f", autoscaler {autoscaler} up to {top}" if autoscaler else ""),
     )
 
 
-def azure(trace: str, path: str | os.PathLike[str], *, load: float, replicas: int = 4,
-          duration_s: float | None = None, seed: int = 0) -> Scenario:
-    """An Azure 2023 trace (``conv`` or ``code``) at ``load`` x fleet capacity. Clients send
+def _autoscaler(name: str | None, low: int, high: int
+                ) -> Callable[[], autoscaler_mod.Recommender] | None:
+    """A factory for the fleet (each run gets a fresh autoscaler), or None: a fixed fleet."""
+    if name is None:
+        return None
+    autoscaler_mod.make(name, min_replicas=low, max_replicas=high)  # fail early on a bad name
+    return lambda: autoscaler_mod.make(name, min_replicas=low, max_replicas=high)
+
+
+def azure(trace: str, path: str | os.PathLike[str], *, load: float | None = None,
+          rate_x: float | None = None, replicas: int = 4, start_s: float = 0.0,
+          duration_s: float | None = None, seed: int = 0, autoscaler: str | None = None,
+          max_replicas: int | None = None, provisioning_s: float = 540.0) -> Scenario:
+    """An Azure 2023 trace (``conv`` or ``code``) at ``load`` x fleet capacity (or ``rate_x``
+    x its own rate), optionally cut to ``duration_s`` from ``start_s``. Clients send
     ``max_tokens`` above the trace's longest output, so no output is cut."""
-    jobs = read_azure(path, max_tokens=AZURE_MAX_TOKENS.get(trace), duration_s=duration_s)
-    return replay(f"azure-{trace}-{load:g}x", jobs, replicas=replicas, load=load, seed=seed,
-                  classes=AZURE_CLASSES.get(trace))
+    jobs = read_azure(path, max_tokens=AZURE_MAX_TOKENS.get(trace), start_s=start_s,
+                      duration_s=duration_s)
+    scale = f"{load:g}x" if load is not None else f"r{rate_x or 1:g}x"
+    return replay(f"azure-{trace}-{scale}" + (f"-{autoscaler}" if autoscaler else ""), jobs,
+                  replicas=replicas, load=load, rate_x=rate_x, seed=seed,
+                  classes=AZURE_CLASSES.get(trace), autoscaler=autoscaler,
+                  max_replicas=max_replicas, provisioning_s=provisioning_s)
 
 
 # ---- the reference incident --------------------------------------------------------------
@@ -135,11 +157,12 @@ def incident_rate(c: float) -> list[RatePoint]:
             RatePoint(50 * m, 0.50 * c), RatePoint(65 * m, 0.50 * c)]  # 08:45 .. 09:00
 
 
-def incident(*, seed: int = 0, fleet_scale: float = 1.0, minutes: float | None = None
-             ) -> Scenario:
+def incident(*, seed: int = 0, fleet_scale: float = 1.0, minutes: float | None = None,
+             autoscaler: str = "hpa") -> Scenario:
     """The 8 am incident; ``fleet_scale`` shrinks the fleet, its traffic and its autoscaler's
     bounds together (0.25: 3 replicas), keeping every per-replica figure, and ``minutes``
-    ends the morning early (tests use both)."""
+    ends the morning early (tests use both). ``autoscaler`` is the incident's HPA on GPU
+    utilization (``hpa``) or the gateway's replica recommender (``recommender``)."""
     replicas = max(1, round(12 * fleet_scale))
     rng = random.Random(seed)
     probe = synthetic([0.0] * 4000, INCIDENT_MIX, random.Random(seed + 1))
@@ -152,17 +175,19 @@ def incident(*, seed: int = 0, fleet_scale: float = 1.0, minutes: float | None =
     max_replicas = max(replicas + 1, round(24 * fleet_scale))
     return Scenario(
         name="incident" + ("" if fleet_scale == 1.0 else f"-x{fleet_scale:g}")
-        + ("" if minutes is None else f"-{minutes:g}min"),
+        + ("" if minutes is None else f"-{minutes:g}min")
+        + ("" if autoscaler == "hpa" else f"-{autoscaler}"),
         jobs=jobs, config=_config(replicas, INCIDENT_CLASSES, ENGINE), engine=ENGINE,
         replicas=replicas,
         clients=ClientModel(timeout_s=30.0, max_retries=2, retry_on_timeout=True),
         engine_aborts=False,
-        autoscaler=lambda: HpaUtilization(target=0.75, min_replicas=replicas,
-                                          max_replicas=max_replicas),
+        autoscaler=_autoscaler(autoscaler, replicas, max_replicas),
         provisioning_s=540.0, control_period_s=15.0, sample_s=10.0, seed=seed,
         clock_origin_s=INCIDENT_START_S,
         description=f"{replicas} replicas of 16 slots, 8 am spike to 1.25x capacity,"
-        " HPA on GPU utilization, ~9 min to provision, 30 s client timeouts",
+        + (" HPA on GPU utilization," if autoscaler == "hpa"
+           else f" autoscaler {autoscaler},")
+        + " ~9 min to provision, 30 s client timeouts",
     )
 
 
@@ -196,9 +221,11 @@ def _with_max(mix: Mix, max_tokens: int) -> Mix:
 NAMES = ("incident", "bursty")
 
 
-def builtin(name: str, *, seed: int = 0, load: float = 1.5, fleet_scale: float = 1.0) -> Scenario:
+def builtin(name: str, *, seed: int = 0, load: float = 1.5, fleet_scale: float = 1.0,
+            autoscaler: str = "hpa") -> Scenario:
+    """A built-in scenario; ``autoscaler`` chooses the incident's autoscaler."""
     if name == "incident":
-        return incident(seed=seed, fleet_scale=fleet_scale)
+        return incident(seed=seed, fleet_scale=fleet_scale, autoscaler=autoscaler)
     if name == "bursty":
         return bursty(load=load, seed=seed)
     raise ConfigError([f"scenario: must be one of {', '.join(NAMES)} (got {name!r})"])
