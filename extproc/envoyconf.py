@@ -1,5 +1,12 @@
 """Envoy's bootstrap, rendered from our own settings so the two can never disagree.
 
+It is built from ``envoy-data-plane``'s typed messages (betterproto2 dataclasses validated by
+pydantic): a misspelled field or a wrongly typed value fails when the message is made (and under
+mypy), not in Envoy. It is written as protobuf's JSON form with proto field names, the form
+Envoy reads from YAML; the few proto3 defaults we mean to state (``failure_mode_allow: false``,
+``type: STATIC``...) are written anyway, and each ``typed_config`` (a ``google.protobuf.Any``)
+as ``{"@type": ..., **fields}`` (see ``_Doc``).
+
 Choices made here, each matching what the server expects:
 
 - ext_proc processing modes: request headers SEND; request body BUFFERED_PARTIAL; every
@@ -21,24 +28,148 @@ Choices made here, each matching what the server expects:
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 
+import betterproto2
 import yaml
+from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
+from envoy_data_plane.envoy.config.cluster.v3 import (
+    CircuitBreakers,
+    CircuitBreakersThresholds,
+    Cluster,
+    ClusterDiscoveryType,
+    LoadBalancingPolicy,
+    LoadBalancingPolicyPolicy,
+)
+from envoy_data_plane.envoy.config.core.v3 import (
+    Address,
+    GrpcService,
+    GrpcServiceEnvoyGrpc,
+    HealthCheck,
+    HealthCheckHttpHealthCheck,
+    Http2ProtocolOptions,
+    Pipe,
+    RoutingPriority,
+    SocketAddress,
+    TypedExtensionConfig,
+)
+from envoy_data_plane.envoy.config.endpoint.v3 import (
+    ClusterLoadAssignment,
+    Endpoint,
+    LbEndpoint,
+    LocalityLbEndpoints,
+)
+from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+from envoy_data_plane.envoy.config.route.v3 import (
+    Route,
+    RouteAction,
+    RouteConfiguration,
+    RouteMatch,
+    VirtualHost,
+)
+from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
+from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
+    ExternalProcessor,
+    ProcessingMode,
+    ProcessingModeBodySendMode,
+    ProcessingModeHeaderSendMode,
+)
+from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+    HttpConnectionManager,
+    HttpConnectionManagerCodecType,
+    HttpConnectionManagerTracing,
+    HttpFilter,
+)
+from envoy_data_plane.envoy.extensions.load_balancing_policies.least_request.v3 import (
+    LeastRequest,
+    LeastRequestSelectionMethod,
+)
+from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
+    HttpProtocolOptions,
+    HttpProtocolOptionsExplicitHttpConfig,
+)
+from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
+from envoy_data_plane.google.protobuf import Any as AnyProto
 
 from extproc.config import Config
 
 BUFFER_SLACK_BYTES = 1024
 _BIG = 100_000
-_TYPE = "type.googleapis.com/envoy."
-_HTTP2 = {  # gRPC upstreams
-    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions",
-        "explicit_http_config": {"http2_protocol_options": {}},
-    },
-}
+_HEADER = ProcessingModeHeaderSendMode
+_BODY = ProcessingModeBodySendMode
+
+_M = TypeVar("_M", bound=betterproto2.Message)
+
+
+class _Doc:
+    """What protobuf's JSON form would lose, kept beside the typed messages of one render.
+
+    Messages validate by rebuilding themselves from their fields, so nothing can ride on the
+    instances; this side table (keyed by identity, holding the objects alive) does instead.
+    """
+
+    def __init__(self) -> None:
+        self._explicit: dict[int, tuple[betterproto2.Message, tuple[str, ...]]] = {}
+        self._packed: dict[int, tuple[AnyProto, betterproto2.Message]] = {}
+
+    def explicit(self, msg: _M, *fields: str) -> _M:
+        """Write ``fields`` even at their proto3 default (``false``, ``STATIC``, ``DEFAULT``,
+        ``NONE``), which the JSON form leaves out: the file then says what it chose."""
+        for name in fields:
+            getattr(msg, name)  # a misspelled name fails here, not silently in the output
+        self._explicit[id(msg)] = (msg, fields)
+        return msg
+
+    def pack(self, msg: betterproto2.Message) -> AnyProto:
+        """A ``typed_config``: ``google.protobuf.Any`` holds only the serialized bytes, and
+        its own ``to_dict`` unpacks them into a fresh message (losing explicit defaults), so
+        the typed message is kept here and written as ``{"@type": ..., **fields}``."""
+        packed = AnyProto.pack(msg)
+        self._packed[id(packed)] = (packed, msg)
+        return packed
+
+    def json(self, msg: betterproto2.Message) -> dict[str, Any]:
+        """The protobuf JSON form with proto field names (what Envoy's YAML loader reads):
+        betterproto2's ``to_dict`` for scalars, enums (by name), durations ("2s") and wrapper
+        types; nested messages are recursed here so explicit defaults and ``Any``s survive."""
+        if isinstance(msg, AnyProto):
+            return {"@type": msg.type_url, **self.json(self._packed[id(msg)][1])}
+        out = msg.to_dict(casing=betterproto2.Casing.SNAKE)
+        if id(msg) in self._explicit:
+            full = msg.to_dict(casing=betterproto2.Casing.SNAKE, include_default_values=True)
+            out.update({name: full[name] for name in self._explicit[id(msg)][1]})
+        assert dataclasses.is_dataclass(msg)  # every betterproto2 message is one
+        for field in dataclasses.fields(msg):
+            value = getattr(msg, field.name)
+            key = field.name.rstrip("_")  # as to_dict names it (``from_`` is "from")
+            if isinstance(value, betterproto2.Message):
+                out[key] = self.json(value)
+            elif isinstance(value, list) and any(isinstance(v, betterproto2.Message)
+                                                 for v in value):
+                out[key] = [self.json(v) for v in value]
+            elif isinstance(value, dict) and any(isinstance(v, betterproto2.Message)
+                                                 for v in value.values()):
+                out[key] = {k: self.json(v) for k, v in value.items()}
+        return out
+
+
+def _s(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def _http2(doc: _Doc) -> dict[str, AnyProto]:  # gRPC upstreams
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": doc.pack(HttpProtocolOptions(
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+            http2_protocol_options=Http2ProtocolOptions()),
+    ))}
 
 
 @dataclass(frozen=True)
@@ -55,10 +186,10 @@ class Topology:
     access_log: bool = False
 
 
-def _address(host: str, port: int) -> dict[str, Any]:
+def _address(host: str, port: int) -> Address:
     if host.startswith("unix:"):
-        return {"pipe": {"path": host.removeprefix("unix:")}}
-    return {"socket_address": {"address": host, "port_value": port}}
+        return Address(pipe=Pipe(path=host.removeprefix("unix:")))
+    return Address(socket_address=SocketAddress(address=host, port_value=port))
 
 
 def _is_ip(host: str) -> bool:
@@ -67,6 +198,18 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _discovery(*hosts: str) -> ClusterDiscoveryType:
+    # Kubernetes Services are DNS names: resolve them, every address a host
+    return (ClusterDiscoveryType.STATIC if all(_is_ip(h) for h in hosts)
+            else ClusterDiscoveryType.STRICT_DNS)
+
+
+def _assignment(name: str, hosts: tuple[tuple[str, int], ...]) -> ClusterLoadAssignment:
+    return ClusterLoadAssignment(cluster_name=name, endpoints=[LocalityLbEndpoints(
+        lb_endpoints=[LbEndpoint(endpoint=Endpoint(address=_address(h, p))) for h, p in hosts],
+    )])
 
 
 def extproc_endpoint(listen: str) -> tuple[str, int]:
@@ -79,125 +222,110 @@ def extproc_endpoint(listen: str) -> tuple[str, int]:
     return ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host), int(port)
 
 
-def _breakers() -> dict[str, Any]:
-    return {"thresholds": [{
-        "priority": "DEFAULT", "max_connections": _BIG, "max_pending_requests": _BIG,
-        "max_requests": _BIG, "max_retries": 3,
-    }]}
+def _breakers(doc: _Doc) -> CircuitBreakers:
+    return CircuitBreakers(thresholds=[doc.explicit(CircuitBreakersThresholds(
+        priority=RoutingPriority.DEFAULT, max_connections=_BIG, max_pending_requests=_BIG,
+        max_requests=_BIG, max_retries=3,
+    ), "priority")])
 
 
 def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
-    ext_proc = {
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": _TYPE + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
-            "failure_mode_allow": topo.fail_open,
-            "status_on_error": {"code": 503},
-            "message_timeout": "2s",
-            "allow_mode_override": True,
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SKIP",
-                "request_body_mode": "BUFFERED_PARTIAL",
-                "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                "response_trailer_mode": "SKIP",
-            },
-        },
-    }
-    hcm: dict[str, Any] = {
-        "@type": _TYPE + "extensions.filters.network.http_connection_manager.v3"
-                 ".HttpConnectionManager",
-        "stat_prefix": "ingress",
-        "codec_type": "AUTO",
-        "stream_idle_timeout": "600s",
-        "route_config": {
-            "name": "inference",
-            "virtual_hosts": [{
-                "name": "inference",
-                "domains": ["*"],
-                "routes": [{"match": {"prefix": "/"},
-                            "route": {"cluster": "inference", "timeout": "0s"}}],
-            }],
-        },
-        "http_filters": [
+    """The bootstrap as typed ``envoy-data-plane`` messages (a misspelled field or a wrong
+    type fails here), returned in the protobuf JSON form Envoy loads."""
+    doc = _Doc()
+    ext_proc = HttpFilter(name="envoy.filters.http.ext_proc", typed_config=doc.pack(doc.explicit(
+        ExternalProcessor(
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name="extproc")),
+            failure_mode_allow=topo.fail_open,
+            status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+            message_timeout=_s(2),
+            allow_mode_override=True,
+            processing_mode=doc.explicit(ProcessingMode(
+                request_header_mode=_HEADER.SEND,
+                response_header_mode=_HEADER.SKIP,
+                request_body_mode=_BODY.BUFFERED_PARTIAL,
+                response_body_mode=_BODY.NONE,
+                request_trailer_mode=_HEADER.SKIP,
+                response_trailer_mode=_HEADER.SKIP,
+            ), "response_body_mode"),
+        ), "failure_mode_allow")))
+    hcm = doc.explicit(HttpConnectionManager(
+        stat_prefix="ingress",
+        codec_type=HttpConnectionManagerCodecType.AUTO,
+        stream_idle_timeout=_s(600),
+        route_config=RouteConfiguration(name="inference", virtual_hosts=[VirtualHost(
+            name="inference",
+            domains=["*"],
+            routes=[Route(match=RouteMatch(prefix="/"),
+                          route=RouteAction(cluster="inference", timeout=_s(0)))],
+        )]),
+        http_filters=[
             ext_proc,
-            {"name": "envoy.filters.http.router", "typed_config": {
-                "@type": _TYPE + "extensions.filters.http.router.v3.Router"}},
+            HttpFilter(name="envoy.filters.http.router", typed_config=doc.pack(Router())),
         ],
-    }
+    ), "codec_type")
     otel = _collector(config.tracing.endpoint)
     if otel is not None:
         # Envoy's own span for each request, exported to the same collector as ours; the
         # ext_proc gRPC call carries its trace context, so our decision span is its child.
-        hcm["tracing"] = {
-            "random_sampling": {"value": config.tracing.sample_ratio * 100.0},
-            "provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
-                "@type": _TYPE + "config.trace.v3.OpenTelemetryConfig",
-                "grpc_service": {"envoy_grpc": {"cluster_name": "otel"}, "timeout": "1s"},
-                "service_name": "envoy",
-            }},
-        }
+        hcm.tracing = HttpConnectionManagerTracing(
+            random_sampling=Percent(value=config.tracing.sample_ratio * 100.0),
+            provider=TracingHttp(name="envoy.tracers.opentelemetry", typed_config=doc.pack(
+                OpenTelemetryConfig(
+                    grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name="otel"),
+                                             timeout=_s(1)),
+                    service_name="envoy",
+                ))),
+        )
     if topo.access_log:
-        hcm["access_log"] = [{"name": "envoy.access_loggers.stdout", "typed_config": {
-            "@type": _TYPE + "extensions.access_loggers.stream.v3.StdoutAccessLog"}}]
-    return {
-        "admin": {"address": _address("127.0.0.1", topo.admin_port)},
-        "static_resources": {
-            "listeners": [{
-                "name": "inference",
-                "address": _address(topo.listen_address, topo.listen_port),
-                "per_connection_buffer_limit_bytes": config.max_body_bytes + BUFFER_SLACK_BYTES,
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": hcm,
-                }]}],
-            }],
-            "clusters": [
-                {
-                    "name": "inference",
-                    # Kubernetes Services are DNS names: resolve them, every address a host
-                    "type": "STATIC" if all(_is_ip(h) for h, _ in topo.backends)
-                    else "STRICT_DNS",
-                    "connect_timeout": "1s",
-                    # full scan: with few replicas, two random choices often pick the same
-                    # host and overfill it while admission assumes balanced slots
-                    "load_balancing_policy": {"policies": [{"typed_extension_config": {
-                        "name": "envoy.load_balancing_policies.least_request",
-                        "typed_config": {
-                            "@type": _TYPE + "extensions.load_balancing_policies.least_request"
-                                     ".v3.LeastRequest",
-                            "selection_method": "FULL_SCAN",
-                        },
-                    }}]},
-                    "per_connection_buffer_limit_bytes": config.max_body_bytes + BUFFER_SLACK_BYTES,
-                    "circuit_breakers": _breakers(),
-                    "health_checks": [{
-                        "timeout": "1s", "interval": "2s", "unhealthy_threshold": 2,
-                        "healthy_threshold": 1, "no_traffic_interval": "2s",
-                        "http_health_check": {"path": "/health"},
-                    }],
-                    "load_assignment": {"cluster_name": "inference", "endpoints": [{
-                        "lb_endpoints": [{"endpoint": {"address": _address(h, p)}}
-                                         for h, p in topo.backends],
-                    }]},
-                },
-                {
-                    "name": "extproc",
-                    "type": "STATIC",
-                    "connect_timeout": "1s",
-                    "typed_extension_protocol_options": _HTTP2,
-                    "circuit_breakers": _breakers(),
-                    "load_assignment": {"cluster_name": "extproc", "endpoints": [{
-                        "lb_endpoints": [{"endpoint": {"address": _address(h, p)}}
-                                         for h, p in (topo.extproc, *topo.extra_extprocs)],
-                    }]},
-                },
-                *([_otel_cluster(*otel)] if otel is not None else []),
-            ],
-        },
-    }
+        hcm.access_log = [AccessLog(name="envoy.access_loggers.stdout",
+                                    typed_config=doc.pack(StdoutAccessLog()))]
+    buffer_limit = config.max_body_bytes + BUFFER_SLACK_BYTES
+    inference = doc.explicit(Cluster(
+        name="inference",
+        type=_discovery(*(h for h, _ in topo.backends)),
+        connect_timeout=_s(1),
+        # full scan: with few replicas, two random choices often pick the same
+        # host and overfill it while admission assumes balanced slots
+        load_balancing_policy=LoadBalancingPolicy(policies=[LoadBalancingPolicyPolicy(
+            typed_extension_config=TypedExtensionConfig(
+                name="envoy.load_balancing_policies.least_request",
+                typed_config=doc.pack(LeastRequest(
+                    selection_method=LeastRequestSelectionMethod.FULL_SCAN)),
+            ))]),
+        per_connection_buffer_limit_bytes=buffer_limit,
+        circuit_breakers=_breakers(doc),
+        health_checks=[HealthCheck(
+            timeout=_s(1), interval=_s(2), unhealthy_threshold=2, healthy_threshold=1,
+            no_traffic_interval=_s(2),
+            http_health_check=HealthCheckHttpHealthCheck(path="/health"),
+        )],
+        load_assignment=_assignment("inference", topo.backends),
+    ), "type")
+    extproc = doc.explicit(Cluster(
+        name="extproc",
+        type=ClusterDiscoveryType.STATIC,
+        connect_timeout=_s(1),
+        typed_extension_protocol_options=_http2(doc),
+        circuit_breakers=_breakers(doc),
+        load_assignment=_assignment("extproc", (topo.extproc, *topo.extra_extprocs)),
+    ), "type")
+    return doc.json(Bootstrap(
+        admin=Admin(address=_address("127.0.0.1", topo.admin_port)),
+        static_resources=BootstrapStaticResources(
+            listeners=[Listener(
+                name="inference",
+                address=_address(topo.listen_address, topo.listen_port),
+                per_connection_buffer_limit_bytes=buffer_limit,
+                filter_chains=[FilterChain(filters=[Filter(
+                    name="envoy.filters.network.http_connection_manager",
+                    typed_config=doc.pack(hcm),
+                )])],
+            )],
+            clusters=[inference, extproc,
+                      *([_otel_cluster(doc, *otel)] if otel is not None else [])],
+        ),
+    ))
 
 
 def _collector(endpoint: str | None) -> tuple[str, int] | None:
@@ -207,16 +335,14 @@ def _collector(endpoint: str | None) -> tuple[str, int] | None:
     return url.hostname or "127.0.0.1", url.port or 4317
 
 
-def _otel_cluster(host: str, port: int) -> dict[str, Any]:
-    return {
-        "name": "otel",
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
-        "connect_timeout": "1s",
-        "typed_extension_protocol_options": _HTTP2,
-        "load_assignment": {"cluster_name": "otel", "endpoints": [{
-            "lb_endpoints": [{"endpoint": {"address": _address(host, port)}}],
-        }]},
-    }
+def _otel_cluster(doc: _Doc, host: str, port: int) -> Cluster:
+    return doc.explicit(Cluster(
+        name="otel",
+        type=_discovery(host),
+        connect_timeout=_s(1),
+        typed_extension_protocol_options=_http2(doc),
+        load_assignment=_assignment("otel", ((host, port),)),
+    ), "type")
 
 
 def render(config: Config, topo: Topology) -> str:

@@ -1,7 +1,11 @@
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
+from envoy_data_plane.envoy.config.bootstrap.v3 import Bootstrap
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingMode
+from pydantic import ValidationError
 
 from extproc import config, envoyconf
 from extproc.stack import envoy_binary
@@ -41,3 +45,29 @@ def test_bootstrap_matches_what_the_server_expects() -> None:
     assert ext["message_timeout"] == "2s"
     clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
     assert clusters["extproc"]["circuit_breakers"]["thresholds"][0]["max_requests"] >= 100_000
+
+
+def test_bootstrap_is_built_from_typed_messages() -> None:
+    """Every key rendered is a field of envoy-data-plane's messages (typed_configs included),
+    and a value of the wrong type fails while rendering, not in Envoy."""
+    c = config.from_mapping({"tracing": {"endpoint": "http://127.0.0.1:4317"}})
+    doc = envoyconf.bootstrap(c, envoyconf.Topology(access_log=True,
+                                                    backends=(("vllm.ns.svc", 8000),)))
+    parsed = Bootstrap.from_dict(doc)
+    assert parsed.static_resources is not None
+    assert [cl.name for cl in parsed.static_resources.clusters] == ["inference", "extproc", "otel"]
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"][0]["typed_config"]["failure_mode_alow"] = True  # a typo is rejected
+    with pytest.raises(KeyError, match="failure_mode_alow"):
+        Bootstrap.from_dict(doc)
+    for bad_port in ("http", -1, 1.5):  # a plain dict would have rendered each of these
+        with pytest.raises(ValidationError):
+            envoyconf.bootstrap(c, envoyconf.Topology(listen_port=bad_port))  # type: ignore[arg-type]
+
+
+def test_explicit_defaults_name_real_fields() -> None:
+    doc = envoyconf._Doc()
+    mode = ProcessingMode()
+    assert doc.json(doc.explicit(mode, "response_body_mode")) == {"response_body_mode": "NONE"}
+    with pytest.raises(AttributeError):
+        doc.explicit(mode, "response_body_mod")
