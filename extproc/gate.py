@@ -173,6 +173,12 @@ class Gate:
                 self.control.decided(verdict)
             if self.tracing.enabled:
                 _annotate(span, verdict, elapsed, self.config.mode.value)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("decision", extra={
+                    "pool": verdict.pool, "class": verdict.service_class,
+                    "outcome": verdict.outcome.value, "reason": verdict.reason.value,
+                    "prompt_tokens": verdict.prompt_tokens,
+                    "decision_ms": round(elapsed * 1000.0, 3)})
         return verdict
 
     async def _check(self, route: Route, path: str, headers: Mapping[str, str],
