@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ from typing import Any
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,11 +21,11 @@ from extproc import config
 from extproc.ledger.redis import RedisLedger
 from extproc.server import LEDGER_SERVICE, SERVICE_NAME, Service
 from extproc.stack import free_port
+from tests.extproc_client import Stream, body, chat, headers
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
-CHAT = "/v1/chat/completions"
 DEADLINE_MS = 100.0  # decision_deadline_ms in these tests
 ANSWER_SLACK_S = 0.4  # gRPC and a busy 2-core machine (clients share the server's loop)
 
@@ -51,13 +49,8 @@ def redis() -> Iterator[RedisServer]:
 
 @pytest.fixture(autouse=True)
 async def end_streams() -> AsyncIterator[None]:
-    """Finish every stream a test opened, so none outlives its event loop."""
     yield
-    for stream in Stream.opened:
-        await stream.queue.put(None)
-        stream.call.cancel()
-    await asyncio.sleep(0)
-    Stream.opened.clear()
+    await Stream.end_all()
 
 
 @pytest.fixture
@@ -81,42 +74,6 @@ async def service_factory() -> AsyncIterator[Any]:
         await svc.stop()
 
 
-def headers() -> pb.ProcessingRequest:
-    pairs = {":path": CHAT, ":method": "POST", "content-type": "application/json"}
-    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])))
-
-
-def body(max_tokens: int = 20) -> pb.ProcessingRequest:
-    doc = {"model": "m", "max_tokens": max_tokens,
-           "messages": [{"role": "user", "content": "hello"}]}
-    return pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(doc).encode(),
-                                                         end_of_stream=True))
-
-
-class Stream:
-    """One ext_proc stream as Envoy drives it; every read is bounded (a hang fails the test)."""
-
-    opened: list[Stream] = []
-
-    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
-        self.queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
-        self.call = stub.Process(self._requests())
-        Stream.opened.append(self)
-
-    async def _requests(self) -> AsyncIterator[pb.ProcessingRequest]:
-        while (item := await self.queue.get()) is not None:
-            yield item
-
-    async def send(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
-        await self.queue.put(message)
-        return await asyncio.wait_for(self.call.read(), 5)
-
-    async def close(self) -> None:
-        await self.queue.put(None)
-        assert await asyncio.wait_for(self.call.read(), 5) == grpc.aio.EOF
-
-
 @dataclass
 class Answer:
     phase: str
@@ -137,7 +94,7 @@ async def ask(stub: pb_grpc.ExternalProcessorStub, max_tokens: int = 20,
     s = Stream(stub)
     assert (await s.send(headers())).HasField("request_headers")
     started = time.perf_counter()
-    resp = await s.send(body(max_tokens))
+    resp = await s.send(body(chat(max_tokens)))
     return s, outcome(resp), time.perf_counter() - started
 
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -18,8 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc import config
 from extproc.server import SERVICE_NAME, Service
 from extproc.stack import scrape
-
-CHAT = "/v1/chat/completions"
+from tests.extproc_client import Stream, admit_one, body, chat, headers
 
 
 def settings(**extra: Any) -> dict[str, Any]:
@@ -44,67 +42,13 @@ async def stub(service: Service) -> AsyncIterator[pb_grpc.ExternalProcessorStub]
 
 @pytest.fixture(autouse=True)
 async def end_streams() -> AsyncIterator[None]:
-    """Finish every stream a test opened, so none outlives its event loop."""
     yield
-    for stream in Stream.opened:
-        await stream.queue.put(None)
-        stream.call.cancel()
-    await asyncio.sleep(0)
-    Stream.opened.clear()
-
-
-def headers(path: str = CHAT, method: str = "POST", eos: bool = False,
-            **extra: str) -> pb.ProcessingRequest:
-    pairs = {":path": path, ":method": method, "content-type": "application/json", **extra}
-    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
-        end_of_stream=eos))
-
-
-def body(doc: Any, eos: bool = True) -> pb.ProcessingRequest:
-    raw = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
-    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=eos))
-
-
-def chat(max_tokens: int = 100) -> dict[str, Any]:
-    return {"model": "m", "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": "hello"}]}
-
-
-class Stream:
-    """One ext_proc stream, as Envoy drives it: send a phase, read its answer."""
-
-    opened: list[Stream] = []
-
-    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
-        self.queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
-        self.call = stub.Process(self._requests())
-        Stream.opened.append(self)
-
-    async def _requests(self) -> AsyncIterator[pb.ProcessingRequest]:
-        while (item := await self.queue.get()) is not None:
-            yield item
-
-    async def send(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
-        await self.queue.put(message)
-        return await asyncio.wait_for(self.call.read(), 5)
-
-    async def close(self) -> None:
-        await self.queue.put(None)
-        assert await asyncio.wait_for(self.call.read(), 5) == grpc.aio.EOF
+    await Stream.end_all()
 
 
 def immediate_headers(resp: pb.ProcessingResponse) -> dict[str, str]:
     return {h.header.key: h.header.raw_value.decode()
             for h in resp.immediate_response.headers.set_headers}
-
-
-async def admit_one(stub: pb_grpc.ExternalProcessorStub, max_tokens: int = 100) -> Stream:
-    s = Stream(stub)
-    assert (await s.send(headers())).HasField("request_headers")
-    assert (await s.send(body(chat(max_tokens)))).HasField("request_body")
-    return s
 
 
 async def metric(service: Service, name: str, **labels: str) -> float:

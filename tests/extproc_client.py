@@ -1,0 +1,73 @@
+"""Drive the ext_proc server message by message over real gRPC, as Envoy does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+CHAT = "/v1/chat/completions"
+
+
+class Stream:
+    """One ext_proc stream: send a phase, read its answer; every read is bounded (a hang fails
+    the test). ``end_all`` finishes every stream opened, so none outlives its event loop."""
+
+    opened: list[Stream] = []
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        self.queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
+        self.call = stub.Process(self._requests())
+        Stream.opened.append(self)
+
+    async def _requests(self) -> AsyncIterator[pb.ProcessingRequest]:
+        while (item := await self.queue.get()) is not None:
+            yield item
+
+    async def send(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        await self.queue.put(message)
+        return await asyncio.wait_for(self.call.read(), 5)
+
+    async def close(self) -> None:
+        await self.queue.put(None)
+        assert await asyncio.wait_for(self.call.read(), 5) == grpc.aio.EOF
+
+    @classmethod
+    async def end_all(cls) -> None:
+        for stream in cls.opened:
+            await stream.queue.put(None)
+            stream.call.cancel()
+        await asyncio.sleep(0)
+        cls.opened.clear()
+
+
+def headers(path: str = CHAT, method: str = "POST", eos: bool = False,
+            **extra: str) -> pb.ProcessingRequest:
+    pairs = {":path": path, ":method": method, "content-type": "application/json", **extra}
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
+        end_of_stream=eos))
+
+
+def body(doc: Any, eos: bool = True) -> pb.ProcessingRequest:
+    raw = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=eos))
+
+
+def chat(max_tokens: int = 100) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hello"}]}
+
+
+async def admit_one(stub: pb_grpc.ExternalProcessorStub, max_tokens: int = 100) -> Stream:
+    s = Stream(stub)
+    assert (await s.send(headers())).HasField("request_headers")
+    assert (await s.send(body(chat(max_tokens)))).HasField("request_body")
+    return s
