@@ -6,14 +6,29 @@ reads no clock) and a small ``State`` carried between windows. ``Recommender`` h
 for one pool. Two rules are combined, the larger ask wins:
 
 (a) Rejections (scale up fast). Over a window with at least ``min_decisions`` decisions,
-    ``r = rejected / (admitted + rejected)``; ``q = queue_depth / ready``. When ``r`` exceeds
+    ``r = rejected / (admitted + rejected)`` counts attempts, and a gateway cannot tell a
+    client's retry of a 429 from a first attempt, so it reads ``r`` through the clients'
+    retry budget (``client_retries``, k; the OpenAI SDK retries twice): a request is lost only
+    when all k + 1 of its attempts are, so the share of requests lost is
+
+        lost = min(r, 1/2) ^ (k + 1)              k = 0 is the article's reading: lost = r
+
+    (a ratio over one half is read as one half: beyond it the count is mostly the same
+    requests coming back). ``q = queue_depth / ready``. When ``lost`` exceeds
     ``reject_ratio_high`` or ``q`` exceeds ``queue_per_replica_high``:
 
-        demand_ratio = 1 / (1 - min(r, 1/2))       admission sheds the excess, so offered load
-                                                   over served load is about 1 / (1 - r)
+        demand_ratio = 1 / (1 - lost)              admission sheds the excess, so offered
+                                                   requests over served ones are 1 / (1 - lost)
         queue_ratio  = q / queue_per_replica_target    (0 unless q is over its high mark)
         want_a       = clamp(ceil(ready x max(demand_ratio, queue_ratio)),
                              ready + 1, ceil(ready x max_up_factor))       at most 2x by default
+
+    Read as ``1 / (1 - r)``, retries overstated demand: in the simulated incident 64 % of the
+    attempts were rejected where 1.25x the capacity was offered, and the rule asked 3 -> 6
+    where 4 carry it. With k = 2 the rejection step is at most 8/7 of ``ready`` (at least one
+    replica); a larger surge is met step by step as each step turns ready and still sheds, and
+    by the queue rules. A window in which replicas turned ready (``ready`` above the last
+    window's) is not judged: its rejections were counted against the smaller fleet.
 
 (b) Queue age (scale out by the backlog). When the oldest eligible request is older than
     ``age_threshold_s`` while arrivals exceed successful departures, for ``confirm_windows``
@@ -24,9 +39,15 @@ for one pool. Two rules are combined, the larger ask wins:
 
     The note's example: 360 waiting, drained in 60 s at 2.5 req/s per replica: 360 / 60 / 2.5
     = 2.4, three more replicas. ``rate`` is an exponentially weighted mean of
-    ``departures / duration / ready`` over windows where the pool was busy (work waiting or
-    rejected: only then do departures measure capacity rather than demand), seeded by
-    ``service_rate_hint``; unknown, the step is one replica (never a large step on a guess).
+    ``departures / duration / ready`` over windows where the replicas were saturated: rule (a)
+    sheds (``lost`` over ``reject_ratio_high``) or ``q`` is at least
+    ``queue_per_replica_target``, and the utilization, when known, is at least
+    ``utilization_high`` (work waiting at idle engines is a dispatch problem, not their
+    capacity); a window in which replicas turned ready is skipped. Only then do departures
+    measure capacity rather than demand; elsewhere the estimate is kept (a rate learnt at
+    moderate load drifts down to the demand per replica, and the scale-down's headroom check
+    below then never passes). It is seeded by ``service_rate_hint``; unknown, the step is one
+    replica (never a large step on a guess).
     The step assumes arrivals fall back to what the fleet serves; a sustained excess keeps
     the backlog growing and the next window asks for the difference, while (a) answers a
     sustained excess through the rejections it causes.
@@ -37,11 +58,11 @@ not yet visible), so replicas still warming are never asked for twice; an ask th
 cover is held with reason ``PENDING``.
 
 Scale down slowly: one replica, only after ``down_quiet_s`` of windows that were all quiet
-(reject ratio under ``reject_ratio_quiet``, waiting per replica under
-``queue_per_replica_quiet``, oldest age under ``quiet_age_fraction`` of its threshold, a
-known utilization under ``utilization_high``) and only when the remaining replicas would carry
-the arrival rate at ``down_headroom`` of their measured rate. The quiet clock restarts after
-each step.
+(``lost`` under ``reject_ratio_quiet``: with k = 2, under 10 % of the attempts rejected;
+waiting per replica under ``queue_per_replica_quiet``, oldest age under
+``quiet_age_fraction`` of its threshold, a known utilization under ``utilization_high``)
+and only when the remaining replicas would carry the arrival rate at ``down_headroom`` of
+their measured rate. The quiet clock restarts after each step.
 
 Guardrails (each conservative rule is also a comment where the code applies it):
 a stale or missing input holds the last recommendation (no scaling on a missing metric).
@@ -112,6 +133,7 @@ class ScalingPolicy:
     min_replicas: int = 1
     max_replicas: int = 64
     # rule (a): rejections and queue depth
+    # both compared with the share of requests lost, ``lost_share`` (k = 0: of attempts)
     reject_ratio_high: float = 0.02  # the article: scale up over 2 % rejected
     reject_ratio_quiet: float = 0.001  # and down only under 0.1 %
     min_decisions: int = 20  # fewer decisions in a window make the ratio noise: ignored
@@ -119,6 +141,7 @@ class ScalingPolicy:
     queue_per_replica_target: float = 4.0  # the article's goal
     queue_per_replica_quiet: float = 2.0
     max_up_factor: float = 2.0  # scale up by at most 2x in one step
+    client_retries: int = 2  # retries a client makes after a 429 (the OpenAI SDK's default)
     # rule (b): queue age
     age_threshold_s: float = 20.0  # oldest eligible age objective (about the latency budget)
     confirm_windows: int = 2  # consecutive breaching windows before acting
@@ -159,6 +182,7 @@ class ScalingPolicy:
         need(self.reject_ratio_quiet <= self.reject_ratio_high, "reject_ratio_quiet",
              f"<= reject_ratio_high ({self.reject_ratio_high})")
         need(self.min_decisions >= 1, "min_decisions", ">= 1")
+        need(self.client_retries >= 0, "client_retries", ">= 0")
         need(self.confirm_windows >= 1, "confirm_windows", ">= 1")
         for name in ("queue_per_replica_high", "queue_per_replica_target", "age_threshold_s",
                      "drain_s"):
@@ -221,6 +245,9 @@ class State:
     rate: float | None = None  # measured successful req/s per ready replica
 
 
+RATIO_CAP = 0.5  # reject ratios above this are read as this much (see lost_share)
+
+
 def _ceil(x: float) -> int:
     """``ceil`` that does not round 11.000000000000002 (a float artefact) up to 12."""
     return math.ceil(x - 1e-9)
@@ -229,6 +256,14 @@ def _ceil(x: float) -> int:
 def drain_step(backlog: int, drain_s: float, rate_per_replica: float) -> int:
     """Extra ready replicas that drain ``backlog`` requests within ``drain_s`` seconds."""
     return _ceil(backlog / (drain_s * rate_per_replica)) if backlog > 0 else 0
+
+
+def lost_share(reject_ratio: float, retries: int) -> float:
+    """The share of requests (not attempts) turned away for good when ``reject_ratio`` of the
+    attempts are rejected and each client retries a 429 up to ``retries`` times: a request is
+    lost only when all ``retries + 1`` of its attempts are, so ``r^(retries + 1)``, with ``r``
+    read as at most ``RATIO_CAP``."""
+    return min(reject_ratio, RATIO_CAP) ** (retries + 1)
 
 
 def classify(age_high: bool | None, utilization: float | None, high: float) -> Reading:
@@ -252,6 +287,7 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
     previous = s.desired if s.desired is not None else clamp(current)
     decided = w.admitted + w.rejected
     ratio = w.rejected / decided if decided >= p.min_decisions else None
+    lost = None if ratio is None else lost_share(ratio, p.client_retries)
     per_replica_q = w.queue_depth / w.ready if w.ready > 0 else 0.0
     age_high = None if w.oldest_age_s is None else w.oldest_age_s > p.age_threshold_s
     reading = classify(age_high, w.utilization, p.utilization_high)
@@ -294,8 +330,16 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
         if expected > 0 else w.departures == 0)
     # Departures measure capacity only while work waits or is turned away; a stalled window
     # measures a failure, not the service rate.
-    if (w.queue_depth > 0 or w.rejected > 0) and w.ready > 0 and w.departures > 0 \
-            and not stalled_now:
+    # Departures measure capacity only while the replicas are saturated: work turned away,
+    # a queue at its per-replica target, or a high utilization. Below that they measure the
+    # demand, and a rate learnt there would drift down to it (and block every scale-down).
+    # A window in which replicas turned ready was served partly by the smaller fleet: its
+    # counts measure neither fleet, and its rejections predate the new capacity.
+    grew = s.now is not None and w.ready > s.last_ready
+    shedding = lost is not None and lost > p.reject_ratio_high and not grew
+    saturated = ((shedding or per_replica_q >= p.queue_per_replica_target)
+                 and (w.utilization is None or w.utilization >= p.utilization_high))
+    if saturated and not grew and w.ready > 0 and w.departures > 0 and not stalled_now:
         observed = departure_rate / w.ready
         rate = observed if rate is None else rate + p.rate_smoothing * (observed - rate)
     starting_since = s.starting_since
@@ -317,9 +361,11 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
     wants: list[tuple[int, Reason]] = []
     if w.ready == 0 and has_demand:
         wants.append((1, Reason.ACTIVATE))  # held as PENDING while one is starting
-    if w.ready > 0 and ((ratio is not None and ratio > p.reject_ratio_high)
-                        or per_replica_q > p.queue_per_replica_high):
-        demand_ratio = 1.0 / (1.0 - min(ratio, 0.5)) if ratio is not None else 1.0
+    # Rejections count by the requests they cost: ``lost`` is the estimated share of requests
+    # (not attempts) turned away for good once the clients' retries are spent. A window in
+    # which replicas turned ready is not judged: its rejections predate the new capacity.
+    if w.ready > 0 and (shedding or per_replica_q > p.queue_per_replica_high):
+        demand_ratio = 1.0 / (1.0 - lost) if shedding and lost is not None else 1.0
         deep = per_replica_q > p.queue_per_replica_high
         queue_ratio = per_replica_q / p.queue_per_replica_target if deep else 0.0
         cap = _ceil(w.ready * p.max_up_factor)
@@ -347,7 +393,7 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
         return move(desired, reason, s, unmet)
 
     quiet = (
-        (ratio is None or ratio < p.reject_ratio_quiet)
+        (lost is None or lost < p.reject_ratio_quiet)
         and per_replica_q < p.queue_per_replica_quiet
         and w.oldest_age_s is not None  # an unknown age cannot prove quiet
         and w.oldest_age_s < p.quiet_age_fraction * p.age_threshold_s

@@ -19,10 +19,15 @@ from extproc.autoscale import (
     Window,
     classify,
     drain_step,
+    lost_share,
 )
 from extproc.errors import ConfigError
 
 W = 15.0  # seconds per control window
+# Clients that never retry a 429: every rejected attempt is a lost request, so the rejection
+# rule reads the attempt ratio as is (the article's ``1 / (1 - r)``). The rules' mechanics are
+# tested with it; the default (clients retry twice) has its own tests under rule (a).
+NO_RETRY = ScalingPolicy(client_retries=0)
 
 
 def window(now: float, **kw: Any) -> Window:
@@ -119,11 +124,20 @@ def test_a_quiet_window_in_a_slow_pool_is_not_a_stall() -> None:
     assert Reason.STALLED not in reasons
 
 
-def test_the_service_rate_is_measured_only_while_work_waits() -> None:
+def test_the_service_rate_is_measured_only_while_the_replicas_are_saturated() -> None:
     rec = Recommender(ScalingPolicy(rate_smoothing=1.0))
     rec.observe(window(15, departures=60))  # idle fleet: departures are demand, not capacity
     assert rec.state.rate is None
+    # a little work waiting (1.25 per replica, under the target of 4) is still demand: a rate
+    # learnt there drifts down to the demand per replica and blocks every scale-down
     rec.observe(window(30, departures=240, queue_depth=10))
+    assert rec.state.rate is None
+    # engines far from busy while work waits: a dispatch problem, not their capacity
+    rec.observe(window(45, departures=240, queue_depth=40, utilization=0.4))
+    assert rec.state.rate is None
+    rec.observe(window(60, departures=240, queue_depth=40))  # 5 per replica: saturated
+    assert rec.state.rate == pytest.approx(240 / 15 / 8)
+    rec.observe(window(75, departures=60))  # quiet again: the estimate is kept
     assert rec.state.rate == pytest.approx(240 / 15 / 8)
 
 
@@ -139,7 +153,7 @@ def test_the_service_rate_is_measured_only_while_work_waits() -> None:
 ])
 def test_rejections_scale_up_in_proportion_up_to_twice(ready: int, rejected: int,
                                                        desired: int) -> None:
-    rec = Recommender(ScalingPolicy(max_replicas=500))
+    rec = Recommender(ScalingPolicy(max_replicas=500, client_retries=0))
     got = rec.observe(busy(15, ready, rejected))
     assert (got.desired, got.direction, got.reason) == (desired, Direction.UP, Reason.REJECTIONS)
     assert got.reject_ratio == pytest.approx(rejected / 1000)
@@ -147,8 +161,42 @@ def test_rejections_scale_up_in_proportion_up_to_twice(ready: int, rejected: int
 
 def test_an_exact_ratio_is_not_rounded_up_by_a_float_artefact() -> None:
     # 100 of 1,100 rejected: 10 x 1100 / 1000 is 11, which floats compute as 11.000000000000002
-    got = Recommender().observe(busy(15, 10, 100, decided=1100))
+    got = Recommender(NO_RETRY).observe(busy(15, 10, 100, decided=1100))
     assert got.desired == 11
+
+
+@pytest.mark.parametrize(("ready", "rejected", "desired"), [
+    (3, 640, 4),  # 64 %, read as 50 %: 12.5 % of requests lost -> 3 x 8/7 = 3.4 -> 4
+    (3, 400, 4),  # 40 %: 6.4 % lost -> 3.2 -> 4
+    (12, 500, 14),  # 50 %: 12.5 % lost -> 13.7 -> 14
+    (100, 300, 103),  # 30 %: 2.7 % lost -> 102.8 -> 103
+])
+def test_rejections_count_by_the_requests_they_cost_when_clients_retry(
+        ready: int, rejected: int, desired: int) -> None:
+    # the default: clients retry a 429 twice, so a request is lost only when all three of its
+    # attempts are (r^3), and most of a high reject ratio is the same requests coming back
+    rec = Recommender(ScalingPolicy(max_replicas=500))
+    got = rec.observe(busy(15, ready, rejected))
+    assert (got.desired, got.direction, got.reason) == (desired, Direction.UP, Reason.REJECTIONS)
+
+
+def test_a_few_retried_rejections_do_not_scale() -> None:
+    # 10 % of attempts rejected loses 0.1 % of requests after two retries: under the 2 %
+    assert Recommender().observe(busy(15, 4, 100)).reason is Reason.STEADY
+    assert lost_share(0.1, 2) == pytest.approx(0.001)
+    assert lost_share(0.9, 2) == pytest.approx(0.125)  # read as one half
+    assert lost_share(0.3, 0) == pytest.approx(0.3)  # no retries: the attempt ratio
+
+
+def test_a_window_in_which_replicas_turned_ready_is_not_judged() -> None:
+    rec = Recommender(ScalingPolicy(rate_smoothing=1.0))
+    assert rec.observe(busy(15, 3, 500, utilization=0.9)).desired == 4
+    rate = rec.state.rate
+    # the fourth turned ready mid-window: its rejections and departures predate it
+    grew = rec.observe(busy(30, 4, 400, utilization=0.9))
+    assert (grew.desired, grew.reason) == (4, Reason.STEADY)
+    assert rec.state.rate == rate
+    assert rec.observe(busy(45, 4, 400, utilization=0.9)).desired == 5
 
 
 def test_rejections_under_the_threshold_or_too_few_decisions_do_nothing() -> None:
@@ -164,7 +212,8 @@ def test_a_deep_queue_per_replica_doubles() -> None:
 
 
 def test_the_larger_ask_of_the_two_rules_wins() -> None:
-    rec = Recommender(ScalingPolicy(queue_per_replica_high=1e9, max_replicas=40))
+    rec = Recommender(ScalingPolicy(queue_per_replica_high=1e9, max_replicas=40,
+                                    client_retries=0))
     grow = dict(arrivals=1000, admitted=900, rejected=100, departures=300, oldest_age_s=40.0)
     first = rec.observe(window(15, queue_depth=60, **grow))
     assert (first.desired, first.reason) == (9, Reason.REJECTIONS)  # (a): 8 / 0.9 -> 9
@@ -191,7 +240,7 @@ def test_scale_down_is_one_replica_after_a_long_quiet_period() -> None:
 
 
 @pytest.mark.parametrize("noise", [
-    dict(rejected=2, admitted=148, departures=300),  # 1.3 % rejected: not quiet
+    dict(rejected=30, admitted=120, departures=300),  # 20 %: 0.8 % of requests lost, not quiet
     dict(queue_depth=20, departures=300),  # 2.5 waiting per replica
     dict(oldest_age_s=5.0),  # above 20 % of the 20 s threshold
     dict(oldest_age_s=None),  # unknown: cannot prove quiet
@@ -248,7 +297,8 @@ def test_stale_inputs_hold_and_count_for_nothing() -> None:
 
 
 def test_a_reversal_waits_for_the_cooldown() -> None:
-    rec = Recommender(ScalingPolicy(down_quiet_s=60, cooldown_s=300, max_replicas=40))
+    rec = Recommender(ScalingPolicy(down_quiet_s=60, cooldown_s=300, max_replicas=40,
+                                    client_retries=0))
     assert quiet_run(rec, 0, 60)[-1] == 7  # down at t=60
     held = rec.observe(busy(75, 7, 100))  # rejections 15 s later
     assert (held.desired, held.reason) == (7, Reason.COOLDOWN)
@@ -257,15 +307,16 @@ def test_a_reversal_waits_for_the_cooldown() -> None:
 
 
 def test_max_replicas_reports_unmet_demand() -> None:
-    rec = Recommender(ScalingPolicy(max_replicas=10))
+    rec = Recommender(ScalingPolicy(max_replicas=10, client_retries=0))
     got = rec.observe(busy(15, 8, 500))
     assert (got.desired, got.unmet, got.reason) == (10, 6, Reason.REJECTIONS)
-    again = rec.observe(busy(30, 10, 500))
+    rec.observe(busy(30, 10, 500))  # the two turned ready in this window: not judged
+    again = rec.observe(busy(45, 10, 500))
     assert (again.desired, again.unmet, again.reason) == (10, 10, Reason.BOUNDS)
 
 
 def test_replicas_that_never_become_ready_pause_scale_out() -> None:
-    rec = Recommender(ScalingPolicy(readiness_timeout_s=120, max_replicas=40))
+    rec = Recommender(ScalingPolicy(readiness_timeout_s=120, max_replicas=40, client_retries=0))
     assert rec.observe(busy(15, 8, 100)).desired == 9
     rec.observe(busy(30, 8, 100, starting=1))
     assert rec.observe(busy(140, 8, 300, starting=1)).desired == 12  # 110 s: still patient
@@ -302,7 +353,7 @@ def test_three_way_reading(age_high: bool | None, util: float | None, reading: R
 
 
 def test_each_recommendation_carries_its_reading() -> None:
-    rec = Recommender()
+    rec = Recommender(NO_RETRY)
     got = rec.observe(busy(15, 8, 100, oldest_age_s=30.0, utilization=0.2))
     assert (got.reason, got.reading) == (Reason.REJECTIONS, Reading.DISPATCH_PROBLEM)
 

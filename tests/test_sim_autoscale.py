@@ -4,9 +4,14 @@ of issue 5, on seeded deterministic runs with admission on (the default policy):
 (a) it changes direction at most once per cooldown period;
 (b) under 1% of eligible (admitted) attempts breach the queue-age objective outside the first
     minutes of each burst;
-(c) at equal or better goodput than the HPA-on-GPU-utilization baseline (the replica-minute
-    half of the rule, fewer replica-minutes, does not hold: see docs/autoscaling.md,
-    "Validation in the simulator", for the measured figures and why).
+(c) at equal or better goodput than the HPA-on-GPU-utilization baseline. The replica-minute
+    half of the rule, fewer replica-minutes, does not hold: on the incident the recommender
+    now asks what the baseline asks (3 -> 4, no overshoot) and scales back down, but 45 s
+    later (258.5 against 257.7 replica-minutes); on the trace the baseline never scales and
+    the floor (``min_replicas``) is the initial fleet, so its replica-minutes are the least
+    any autoscaler can use there, and the recommender buys 7 % more goodput with replicas.
+    Those figures are guarded as upper bounds (``REPLICA_MIN_BOUND``); see
+    docs/autoscaling.md, "Validation in the simulator".
 
 Two workloads, each run with both autoscalers (four runs over two processes, ~15 s):
 
@@ -50,6 +55,9 @@ AUTOSCALERS = ("hpa", "recommender")
 POLICY = ScalingPolicy()
 BURST_GRACE_S = 180.0  # the burst's first 3 minutes
 INCIDENT_SPIKE_S = 360.0  # 08:01, where scenarios.incident_rate starts the spike
+# Replica-minutes over the baseline's, the measured ratio rounded up (1.003 and 1.66): a guard
+# against the overshoot and the missing scale-down coming back, not rule (c).
+REPLICA_MIN_BOUND = {"incident": 1.01, "code": 1.7}
 
 
 def scenario(key: str, autoscaler: str) -> Scenario:
@@ -181,3 +189,17 @@ def test_b_under_1_percent_breach_the_queue_age_objective(runs: dict[str, dict[s
 def test_c_goodput_at_least_the_hpa_baseline(runs: dict[str, dict[str, Run]], key: str) -> None:
     rec, hpa = runs[key]["recommender"], runs[key]["hpa"]
     assert rec.goodput >= hpa.goodput
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_c_replica_minutes_stay_near_the_baseline(runs: dict[str, dict[str, Run]],
+                                                  key: str) -> None:
+    rec, hpa = runs[key]["recommender"], runs[key]["hpa"]
+    assert rec.replica_min <= REPLICA_MIN_BOUND[key] * hpa.replica_min
+
+
+def test_c_the_incident_spike_is_not_overshot_and_the_pool_scales_back_down(
+        runs: dict[str, dict[str, Run]]) -> None:
+    rec, hpa = runs["incident"]["recommender"], runs["incident"]["hpa"]
+    assert rec.peak <= hpa.peak  # 3 -> 4, where 1 / (1 - r) over retried 429s asked 3 -> 6
+    assert [d for _, d in rec.moves] == [Direction.UP, Direction.DOWN]
