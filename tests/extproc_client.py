@@ -22,6 +22,7 @@ class Stream:
     opened: list[Stream] = []
 
     def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
         self.call = stub.Process(self._requests())
         Stream.opened.append(self)
@@ -40,7 +41,9 @@ class Stream:
 
     @classmethod
     async def end_all(cls) -> None:
-        for stream in cls.opened:
+        """Finish the streams opened on this event loop (each test has its own loop)."""
+        loop = asyncio.get_running_loop()
+        for stream in [s for s in cls.opened if s.loop is loop]:
             await stream.queue.put(None)
             stream.call.cancel()
         await asyncio.sleep(0)

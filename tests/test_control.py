@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
 
 from extproc import config
 from extproc._proto import externalscaler_pb2 as kpb
@@ -20,6 +22,12 @@ from extproc.keda import metric_name
 from extproc.metrics import Metrics
 from extproc.server import Service
 from tests.test_server import Stream, admit_one, body, chat, headers
+
+
+@pytest.fixture(autouse=True)
+async def end_streams() -> AsyncIterator[None]:
+    yield
+    await Stream.end_all()
 
 
 class Clock:
