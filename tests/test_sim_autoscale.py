@@ -34,6 +34,7 @@ initial fleet serves in a minute. Attempts admitted inside those windows are lef
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -140,7 +141,9 @@ def _run(job: tuple[str, str]) -> tuple[str, str, Run]:
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict[str, Run]]:
     out: dict[str, dict[str, Run]] = {k: {} for k in KEYS}
-    with ProcessPoolExecutor(max_workers=2) as pool:
+    # spawn, not fork: a fork of the test process inherits its threads and patched state
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
         for key, name, run in pool.map(_run, [(k, a) for k in KEYS for a in AUTOSCALERS]):
             out[key][name] = run
     for key in KEYS:

@@ -9,6 +9,7 @@ it turns into a failure, asking for the mark to go, the day the model meets it.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -40,7 +41,9 @@ def _run(job: tuple[str, str]) -> tuple[str, str, Result]:
 def runs() -> dict[str, dict[str, Result]]:
     jobs = [("incident", "none")] + [(k, p) for k in KEYS for p in POLICIES]
     out: dict[str, dict[str, Result]] = {k: {} for k in KEYS}
-    with ProcessPoolExecutor(max_workers=2) as pool:
+    # spawn, not fork: a fork of the test process inherits its threads and patched state
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
         for key, name, result in pool.map(_run, jobs):
             out[key][name] = result
     return out
