@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from extproc import decisionlog
 from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot, decide
@@ -105,7 +105,7 @@ class Verdict:
     enforced: bool = True  # False in shadow mode: the request continues whatever the outcome
     prompt_tokens: int = 0
     output_tokens: int = 0  # output charged
-    model: str | None = None  # the requested model, set only when tracing (a span attribute)
+    trace: Mapping[str, Any] | None = None  # span attributes known only here (when tracing)
 
     @property
     def blocks(self) -> bool:
@@ -196,9 +196,14 @@ class Gate:
             cost = await self._estimate(request, pool)
         except RequestError as exc:
             return self._refuse(exc, pool.name, cls)
+        started = time.perf_counter()
         verdict = await self._admit(pool, cls, cost, policy)
         if self.tracing.enabled:
-            verdict = dataclasses.replace(verdict, model=request.model)
+            verdict = dataclasses.replace(verdict, trace={
+                "model": request.model, "max_tokens": request.max_tokens,
+                "stream": request.stream,
+                "ledger_ms": round((time.perf_counter() - started) * 1000.0, 3),
+                "capacity_replicas": self.capacity.capacity(pool.name).replicas})
         if self.decision_log is not None:
             self._log_decision(verdict, cost, policy)
         return verdict
@@ -412,8 +417,8 @@ class Gate:
 def _annotate(span: DecisionSpan, verdict: Verdict, seconds: float, mode: str) -> None:
     """The decision's explanation on its span: never prompt text."""
     d = verdict.decision
-    span.set(model=verdict.model, pool=verdict.pool, service_class=verdict.service_class,
-             mode=mode,
+    span.set(**(verdict.trace or {}))
+    span.set(pool=verdict.pool, service_class=verdict.service_class, mode=mode,
              outcome=verdict.outcome.value, reason=verdict.reason.value,
              prompt_tokens=verdict.prompt_tokens or None,
              output_tokens_charged=verdict.output_tokens or None,

@@ -51,6 +51,8 @@ def test_decision_span_is_a_child_of_envoys_span(stack_factory: Any) -> None:
     assert attrs["extproc.pool"] == "llama" and attrs["extproc.service_class"] == "latency"
     assert attrs["gen_ai.request.model"] == "llama-3"
     assert attrs["gen_ai.usage.input_tokens"] > 0
+    assert attrs["gen_ai.request.max_tokens"] == 8 and attrs["gen_ai.request.stream"] is False
+    assert attrs["extproc.capacity_replicas"] == 1 and attrs["extproc.ledger_ms"] >= 0
     for key in ("extproc.wait_ms", "extproc.completion_ms", "extproc.budget_ms"):
         assert isinstance(attrs[key], float)
     assert all(CANARY.encode() not in raw for raw in receiver.requests)
