@@ -38,7 +38,29 @@ log = logging.getLogger(__name__)
 
 
 class CapacitySource(Protocol):
+    """Ready capacity per pool. ``start``/``close`` bracket a source's background work;
+    ``replicas`` details ready/starting/draining; ``staleness`` is the seconds since the
+    source was last known good (``inf``: never)."""
+
     def capacity(self, pool: str) -> Capacity: ...
+
+    def replicas(self, pool: str) -> Replicas: ...
+
+    def staleness(self, pool: str) -> float: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel background tasks and wait until each has ended."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    tasks.clear()
 
 
 def model_of(pool: Pool, replicas: int) -> Capacity:
@@ -58,6 +80,18 @@ class StaticCapacity:
 
     def capacity(self, pool: str) -> Capacity:
         return self._by_name[pool]
+
+    def replicas(self, pool: str) -> Replicas:
+        return Replicas(ready=self._by_name[pool].replicas)
+
+    def staleness(self, pool: str) -> float:
+        return 0.0  # configuration never goes stale
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
 
 # --- discovered capacity -------------------------------------------------------------------
@@ -155,12 +189,7 @@ class _Discovered:
         return self.status(pool).age_s
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        await cancel_all(self._tasks)
 
 
 def envoy_hosts(doc: Mapping[str, Any], cluster: str) -> Replicas | None:

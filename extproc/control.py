@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from extproc.admission import Outcome
 from extproc.autoscale import Recommendation, Recommender, ScalingPolicy, Window
-from extproc.capacity import CapacitySource, Replicas
+from extproc.capacity import CapacitySource
 from extproc.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -92,10 +92,9 @@ class Control:
 
     def window(self, pool: str, now: float) -> Window:
         counts = self._counts[pool]
-        replicas = _replicas(self.capacity, pool)
+        replicas = self.capacity.replicas(pool)
         slots = self.capacity.capacity(pool).slots
-        staleness = getattr(self.capacity, "staleness", None)
-        stale = bool(staleness is not None and math.isinf(staleness(pool)))
+        stale = math.isinf(self.capacity.staleness(pool))
         return Window(
             now=now, duration_s=max(1e-9, now - self._window_start),
             arrivals=counts.arrivals, admitted=counts.admitted, rejected=counts.rejected,
@@ -112,7 +111,7 @@ class Control:
             window = self.window(pool, now)
             rec = out[pool] = recommender.observe(window)
             self.metrics.publish_window(pool, window, rec, self._class_ages(pool, now),
-                                        _replicas(self.capacity, pool))
+                                        self.capacity.replicas(pool))
             self._counts[pool].reset()
         self._window_start = now
         for listener in self.listeners:
@@ -133,11 +132,3 @@ class Control:
             except Exception:
                 log.exception("autoscaling window failed")
 
-
-def _replicas(capacity: CapacitySource, pool: str) -> Replicas:
-    detail = getattr(capacity, "replicas", None)
-    if callable(detail):
-        found = detail(pool)
-        if isinstance(found, Replicas):
-            return found
-    return Replicas(ready=capacity.capacity(pool).replicas)

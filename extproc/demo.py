@@ -69,6 +69,7 @@ from typing import Any, TextIO
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import loadgen
+from extproc.capacity import model_of
 from extproc.config import Pool
 from extproc.stack import LocalStack, scrape
 
@@ -97,7 +98,7 @@ def tokenizer_path() -> str | None:
 def capacity_rps(pool: Pool, lengths: loadgen.Lengths, time_scale: float = 1.0) -> float:
     """Completions per second of the pool at a full batch (see the module docstring)."""
     batch = pool.max_running
-    itl_ms = pool.itl_ms_at_1 + pool.itl_ms_per_running * (batch - 1)
+    itl_ms = model_of(pool, pool.replicas).itl_ms(batch)
     per_request_ms = (lengths.mean_output() * itl_ms / batch
                       + lengths.mean_prompt() * pool.prefill_ms_per_token)
     return pool.replicas * 1000.0 / (per_request_ms * time_scale)
@@ -395,7 +396,7 @@ def main(duration_s: float = 40.0, rate_x: float = 3.0, workdir: str = ".demo", 
     workload = loadgen.Workload.generate(offered, duration_s, seed=seed, lengths=lengths)
     timeout_s = TIMEOUT_S * time_scale
     deadline_s = DEADLINE_S * time_scale
-    itl_full = pool.itl_ms_at_1 + pool.itl_ms_per_running * (pool.max_running - 1)
+    itl_full = model_of(pool, pool.replicas).itl_ms(pool.max_running)
     print("extproc demo: the same burst without admission (mode shadow) and with it (enforce)",
           file=out)
     print(f"  fleet      {pool.replicas} fake replicas x {pool.max_running} slots, Llama-3.3-70B"

@@ -33,7 +33,6 @@ wire) never loosen admission.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -44,6 +43,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.admission import Snapshot
+from extproc.capacity import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +221,7 @@ class EngineStats:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        await cancel_all(self._tasks)
         if self._session is not None:
             await self._session.close()
             self._session = None

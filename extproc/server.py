@@ -101,8 +101,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     headers = header_map(message.request_headers)
                     answer, verdict = await self._on_headers(message.request_headers, headers)
                 elif phase == "request_body":
+                    trace = _trace_context(context) if self.gate.tracing.enabled else {}
                     answer, verdict = await self._on_body(message.request_body, headers,
-                                                          _trace_context(context))
+                                                          trace)
                 else:
                     answer, verdict = _continue(phase), None
                 if verdict is not None:
@@ -220,9 +221,7 @@ class Service:
             add_scaler(scaler, self.keda)
             self.keda_port = self.keda.add_insecure_port(self.config.keda_listen)
             await self.keda.start()
-        starter = getattr(self.capacity, "start", None)
-        if starter is not None:
-            await starter()
+        await self.capacity.start()
         self._tasks.append(asyncio.create_task(self.control.run()))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -305,9 +304,7 @@ class Service:
         await self.server.stop(grace=0.5)
         if self.keda is not None:
             await self.keda.stop(grace=0.5)
-        closer = getattr(self.capacity, "close", None)
-        if closer is not None:
-            await closer()
+        await self.capacity.close()
         self.tracing.shutdown()
         if self.gate.decision_log is not None:
             self.gate.decision_log.close()
