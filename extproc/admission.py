@@ -199,16 +199,23 @@ def release_quantile(k: int, z: float) -> float:
     return k * max(0.0, 1.0 - 1.0 / (9.0 * k) + z / (3.0 * math.sqrt(k))) ** 3
 
 
+def charge_ms(cost: Cost, capacity: Capacity) -> float:
+    """``gpu``: a request's GPU time in a full batch, its ledger charge (module docstring)."""
+    full = capacity.max_running
+    return (cost.prompt_tokens * capacity.prefill_ms_per_token
+            + cost.typical_tokens * capacity.itl_ms(full) / full)
+
+
 def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
            now: float) -> Decision:
     """Admit, reject (429) or declare infeasible one request; see the module docstring."""
-    typical, long = cost.typical_tokens, cost.long_tokens
+    long = cost.long_tokens
     prefill_ms = cost.prompt_tokens * capacity.prefill_ms_per_token
     idle_ms = prefill_ms + long * capacity.itl_ms(1.0)
     ttft_budget = policy.ttft_budget_ms
     full = capacity.max_running
-    decode_ms = typical * capacity.itl_ms(full) / full
-    gpu_ms = prefill_ms + decode_ms
+    decode_ms = cost.typical_tokens * capacity.itl_ms(full) / full
+    gpu_ms = charge_ms(cost, capacity)  # prefill_ms + decode_ms
     if idle_ms > policy.budget_ms or (ttft_budget is not None and prefill_ms > ttft_budget):
         return Decision(Outcome.PASS, Reason.INFEASIBLE, gpu_ms, 0.0, prefill_ms, idle_ms,
                         policy.budget_ms, now + idle_ms / 1000.0)

@@ -5,12 +5,24 @@
              + non-text parts x non_text_part_tokens   (images, audio, files: a flat charge)
     output = (max_tokens or the pool's default) x choices     (0 for embeddings)
 
-Token counters are one-method strategies. ``TokenizerCounter`` counts exactly with the model's
+Token counters are small strategies. ``TokenizerCounter`` counts exactly with the model's
 ``tokenizer.json`` (HF ``tokenizers``; ``encode_batch_fast`` releases the GIL, so the caller
 may run it on a thread). ``ByteCounter`` divides UTF-8 bytes by a bytes-per-token ratio: the
 fallback when no tokenizer is configured, and the estimate for prompts too long to count
 exactly within Envoy's message timeout (``exact_max_bytes``: 8 MiB of text takes ~5 s to
 tokenize on one core, while any real context window ends near 512 KiB).
+
+Chat clients resend the whole conversation every turn, so ``TokenizerCounter`` remembers the
+count of every text it has counted (each message's content, each prompt; texts shorter than
+``CACHE_MIN_CHARS`` are cheaper to count than to look up): a turn pays only for its new
+message. The cache is an LRU of ``cache_entries`` items keyed by ``(length, hash)`` of the
+text, so it holds no prompt text and its memory is bounded (~120 bytes an entry). Python's
+string hash is keyed per process, so a client cannot aim a collision; a chance collision of
+two 64-bit hashes of equal-length texts would misprice one request, never fail it.
+
+``Calibration`` turns characters not yet counted into an estimated token count, learned from
+the exact counts (``Gate`` decides a long cold prompt on it when the decision is not close, and
+corrects the ledger when the exact count arrives).
 
 The output charged is the most a request can generate; what it will generate is a prediction,
 made by an output-length predictor (one method, ``predict(prompt_tokens, charged) ->
@@ -29,6 +41,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,12 +53,16 @@ from extproc.errors import BadRequest
 from extproc.request import InferenceRequest
 
 EXACT_MAX_BYTES = 512 * 1024
+CACHE_ENTRIES = 100_000  # texts whose count is remembered (~12 MB at most)
+CACHE_MIN_CHARS = 64  # shorter texts are counted again rather than looked up
 
 
 class TokenCounter(Protocol):
     exact: bool
 
     def count(self, texts: Sequence[str]) -> int: ...
+
+    def cached(self, texts: Sequence[str]) -> tuple[int, list[str]]: ...
 
 
 class ByteCounter:
@@ -53,34 +71,105 @@ class ByteCounter:
     def __init__(self, bytes_per_token: float) -> None:
         self.bytes_per_token = bytes_per_token
 
+    def cached(self, texts: Sequence[str]) -> tuple[int, list[str]]:
+        return 0, list(texts)  # counting is as cheap as looking up
+
     def count(self, texts: Sequence[str]) -> int:
         size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
         return math.ceil(size / self.bytes_per_token)
 
 
 class TokenizerCounter:
-    """Exact counts from a ``tokenizer.json``; texts over ``exact_max_bytes`` are estimated."""
+    """Exact counts from a ``tokenizer.json``, remembered per text (module docstring); texts
+    over ``exact_max_bytes`` together are estimated. Safe to call from several threads."""
 
     exact = True
 
     def __init__(self, path: str, *, bytes_per_token: float = 4.0,
-                 exact_max_bytes: int = EXACT_MAX_BYTES) -> None:
+                 exact_max_bytes: int = EXACT_MAX_BYTES,
+                 cache_entries: int = CACHE_ENTRIES) -> None:
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_file(path)
         self._fallback = ByteCounter(bytes_per_token)
         self.exact_max_bytes = exact_max_bytes
+        self.cache_entries = cache_entries
+        self._cache: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def cached(self, texts: Sequence[str]) -> tuple[int, list[str]]:
+        """``(tokens of the texts counted before, the texts not counted yet)``."""
+        known, missing = 0, []
+        with self._lock:
+            for text in texts:
+                key = (len(text), hash(text))
+                hit = self._cache.get(key) if len(text) >= CACHE_MIN_CHARS else None
+                if hit is None:
+                    missing.append(text)
+                else:
+                    known += hit
+                    self._cache.move_to_end(key)
+        return known, missing
 
     def count(self, texts: Sequence[str]) -> int:
-        if not texts:
-            return 0
-        if sum(len(t) for t in texts) > self.exact_max_bytes:
-            return self._fallback.count(texts)
+        known, missing = self.cached(texts)
+        if not missing:
+            return known
+        if sum(len(t) for t in missing) > self.exact_max_bytes:
+            return known + self._fallback.count(missing)
         try:
-            encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
+            encodings = self._tokenizer.encode_batch_fast(missing, add_special_tokens=False)
         except Exception as exc:  # tokenizers raises plain Exceptions on unencodable input
             raise BadRequest("prompt text could not be tokenized") from exc
-        return sum(len(e) for e in encodings)
+        counts = [len(e) for e in encodings]
+        with self._lock:
+            for text, n in zip(missing, counts, strict=True):
+                if len(text) >= CACHE_MIN_CHARS:
+                    self._cache[(len(text), hash(text))] = n
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+        return known + sum(counts)
+
+
+class Calibration:
+    """Tokens per character of text not counted yet, learned from exact counts.
+
+        estimate = chars x ratio
+        w        = max(weight, 1 / n)                    (n: exact counts seen, this one too)
+        error   <- error + w x (|estimate - tokens| / tokens - error)
+        ratio   <- ratio + w x (tokens / chars - ratio)
+        margin   = min(MAX_MARGIN, max(MIN_MARGIN, 3 x error))
+
+    Averages at first, then a moving average (``weight``) that follows a change of traffic.
+    ``margin`` is how far an estimate may be off, relatively: a decision that comes out the
+    same at ``estimate x (1 - margin)`` and ``estimate x (1 + margin)`` does not wait for the
+    exact count. It starts at ``1 / bytes_per_token`` with a wide margin.
+    """
+
+    MIN_MARGIN = 0.05
+    MAX_MARGIN = 0.5
+
+    def __init__(self, bytes_per_token: float, *, weight: float = 0.05) -> None:
+        self.ratio = 1.0 / bytes_per_token
+        self.error = 0.1
+        self.weight = weight
+        self.samples = 0
+
+    def estimate(self, chars: int) -> int:
+        return math.ceil(chars * self.ratio)
+
+    @property
+    def margin(self) -> float:
+        return min(self.MAX_MARGIN, max(self.MIN_MARGIN, 3.0 * self.error))
+
+    def learn(self, chars: int, tokens: int) -> None:
+        if chars <= 0 or tokens <= 0:
+            return
+        self.samples += 1
+        w = max(self.weight, 1.0 / self.samples)
+        miss = abs(chars * self.ratio - tokens) / tokens
+        self.error += w * (miss - self.error)
+        self.ratio += w * (tokens / chars - self.ratio)
 
 
 def counter_for(pool: Pool) -> TokenCounter:
@@ -192,8 +281,14 @@ def cost_of(prompt_tokens: int, max_tokens: int | None, choices: int, pool: Pool
 
 def estimate(request: InferenceRequest, pool: Pool, counter: TokenCounter,
              predictor: OutputPredictor | None = None) -> Cost:
+    return cost_for(request, pool, counter.count(request.texts), predictor)
+
+
+def cost_for(request: InferenceRequest, pool: Pool, text_tokens: int,
+             predictor: OutputPredictor | None = None) -> Cost:
+    """The request's cost given the token count of its texts."""
     prompt = (
-        counter.count(request.texts)
+        text_tokens
         + request.token_ids
         + request.messages * pool.message_overhead_tokens
         + request.non_text_parts * pool.non_text_part_tokens

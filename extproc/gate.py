@@ -1,12 +1,22 @@
 """The admission service: request in, verdict out, ledger kept honest. No gRPC, no Envoy.
 
-One request's path: ``check(...)`` parses the body, counts tokens (on a thread when the prompt
-is long), reads the ledger snapshot and capacity, calls the pure ``decide`` and, when the
-request will run, reserves its ledger entry and returns a ``Ticket``. ``settle(ticket)``
+One request's path: ``check(...)`` parses the body, counts tokens, reads the ledger snapshot
+and capacity, calls the pure ``decide`` and, when the request will run, reserves its ledger
+entry and returns a ``Ticket``. ``settle(ticket)``
 releases the entry when the request ends, however it ends. While a request runs its lease is
 renewed every third of its length, so a long generation is never reclaimed.
 
 The server adapter maps the ``Verdict`` to Envoy's answer; nothing here knows about Envoy.
+
+Counting tokens. Texts counted before cost a lookup (``TokenizerCounter``'s cache: a chat
+turn pays only for its new message). New text up to ``ESTIMATE_CHARS`` is counted on the event
+loop (about 2.5 ms at the limit). Longer new text (a long prompt never seen: 8,000 tokens take
+~20 ms to count) is priced by the pool's ``Calibration`` instead, and the decision is taken at
+once when it comes out the same at the estimate's low and high ends (``margin``) on the local
+view of the ledger; only a close decision waits for the exact count, on a thread
+(``encode_batch_fast`` releases the GIL). An admission made on an estimate is counted exactly
+on a thread afterwards, and its ledger entry's charge is set to the exact cost (``adjust``), so
+the ledger ends exact; the calibration learns from every exact count.
 
 The ledger may be shared (Redis) and may fail. A decision's ledger calls (snapshot, then the
 atomic reserve against the decision's ``ceiling_ms``) together get ``decision_deadline_ms``.
@@ -40,22 +50,33 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from extproc import decisionlog
-from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot, decide
+from extproc.admission import (
+    Capacity,
+    Cost,
+    Decision,
+    Outcome,
+    Policy,
+    Reason,
+    Snapshot,
+    charge_ms,
+    decide,
+)
 from extproc.capacity import CapacitySource
 from extproc.config import Config, Infeasible, Mode, OnUnavailable, Pool, Route, TracingConfig
 from extproc.errors import BadRequest, LedgerUnavailable, RequestError
-from extproc.estimate import TokenCounter, counter_for, estimate
+from extproc.estimate import Calibration, TokenCounter, cost_for, counter_for
 from extproc.ledger import Entry, Ledger
 from extproc.metrics import Metrics
 from extproc.request import InferenceRequest, parse
 from extproc.telemetry import DecisionSpan, Tracing
+from extproc.tenant import Tenant
 
 if TYPE_CHECKING:
     from extproc.control import Control
 
 log = logging.getLogger(__name__)
 
-THREAD_COUNT_CHARS = 16 * 1024  # prompts longer than this are tokenized off the event loop
+ESTIMATE_CHARS = 8 * 1024  # new prompt text longer than this is estimated (docstring)
 RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking the room
 RECORD_RETRY_S = 1.0  # how soon a renewer retries when the ledger did not answer
 RENEWER_STOP_S = 1.0  # how long a release waits for a cancelled renewal to finish
@@ -76,7 +97,17 @@ class Ticket:
     cost_ms: float = 0.0  # its ledger charge
     recorded: bool = True  # False when admitted while the ledger was unavailable
     settled: bool = False  # set by ``Gate.settle``: the renewer stops even if its cancel is lost
+    correction: asyncio.Task[None] | None = field(default=None, repr=False)  # exact count
     log: decisionlog.Pending | None = field(default=None, repr=False)  # its decision log line
+
+
+@dataclass(frozen=True)
+class _Uncounted:
+    """Prompt text a decision priced by estimate: what its exact count is still owed on."""
+
+    texts: list[str] = field(repr=False)
+    chars: int
+    known: int  # tokens of the request's texts counted before
 
 
 @dataclass
@@ -106,6 +137,7 @@ class Verdict:
     prompt_tokens: int = 0
     output_tokens: int = 0  # output charged
     trace: Mapping[str, Any] | None = None  # span attributes known only here (when tracing)
+    tenant: Tenant | None = None  # who is charged (extproc.tenant); None: attribution off
 
     @property
     def blocks(self) -> bool:
@@ -133,6 +165,7 @@ class Gate:
             p.name: counter_for(p) for p in config.pools
         }
         self._views: dict[str, _View] = {}
+        self._calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
         self.control: Control | None = None  # the autoscaling loop counts what we decide
         self.tracing: Tracing = Tracing(TracingConfig())  # off unless the service sets it
         self.decision_log = (decisionlog.DecisionLog(config.decision_log)
@@ -162,11 +195,15 @@ class Gate:
         return Policy(deadline_ms=deadline, safety_factor=cls.safety_factor, ttft_ms=cls.ttft_ms)
 
     async def check(self, route: Route, path: str, headers: Mapping[str, str],
-                    body: bytes, trace: Mapping[str, str] | None = None) -> Verdict:
-        """Decide one request. ``trace``: the gRPC call's W3C trace context (Envoy's span)."""
+                    body: bytes, trace: Mapping[str, str] | None = None,
+                    tenant: Tenant | None = None) -> Verdict:
+        """Decide one request. ``trace``: the gRPC call's W3C trace context (Envoy's span);
+        ``tenant``: who is charged, as the server resolved it from what Envoy vouches for."""
         with self.tracing.span(trace or {}, headers) as span:
             started = time.perf_counter()
-            verdict = await self._check(route, path, headers, body)
+            verdict = await self._check(route, path, headers, body, tenant)
+            if verdict.tenant is not tenant:  # a refusal before the decision
+                verdict = dataclasses.replace(verdict, tenant=tenant)
             elapsed = time.perf_counter() - started
             self.metrics.observe(verdict, self.config.mode, elapsed)
             if self.control is not None:
@@ -182,7 +219,7 @@ class Gate:
         return verdict
 
     async def _check(self, route: Route, path: str, headers: Mapping[str, str],
-                     body: bytes) -> Verdict:
+                     body: bytes, tenant: Tenant | None = None) -> Verdict:
         cls = route.service_class
         try:
             policy = self.policy(route, headers)
@@ -192,18 +229,24 @@ class Gate:
         pool = self.config.pool_for(request.model)
         if pool is None:
             return Verdict(Outcome.PASS, Reason.UNMANAGED, service_class=cls)
+        capacity = self.capacity.capacity(pool.name)
         try:
-            cost = await self._estimate(request, pool)
+            cost, uncounted = await self._cost(request, pool, policy, capacity)
         except RequestError as exc:
             return self._refuse(exc, pool.name, cls)
         started = time.perf_counter()
-        verdict = await self._admit(pool, cls, cost, policy)
+        verdict = await self._admit(pool, cls, cost, policy, capacity)
+        if uncounted is not None and verdict.ticket is not None:
+            verdict.ticket.correction = asyncio.create_task(
+                self._correct(verdict.ticket, request, pool, uncounted, capacity))
         if self.tracing.enabled:
             verdict = dataclasses.replace(verdict, trace={
                 "model": request.model, "max_tokens": request.max_tokens,
                 "stream": request.stream,
                 "ledger_ms": round((time.perf_counter() - started) * 1000.0, 3),
-                "capacity_replicas": self.capacity.capacity(pool.name).replicas})
+                "capacity_replicas": capacity.replicas})
+        if tenant is not None:
+            verdict = dataclasses.replace(verdict, tenant=tenant)
         if self.decision_log is not None:
             self._log_decision(verdict, cost, policy)
         return verdict
@@ -217,16 +260,17 @@ class Gate:
             time.time(), verdict.pool or "", verdict.service_class or "", cost.prompt_tokens,
             cost.output_tokens, policy.deadline_ms, verdict.outcome.value,
             verdict.reason.value, self.config.mode.value,
-            d.completion_ms if d else None, d.wait_ms if d else None)
+            d.completion_ms if d else None, d.wait_ms if d else None,
+            tenant=verdict.tenant.name if verdict.tenant is not None else None)
         if verdict.ticket is not None:
             verdict.ticket.log = decisionlog.Pending(record, self._clock())
         else:
             self.decision_log.write(record)
 
-    async def _admit(self, pool: Pool, cls: str, cost: Cost, policy: Policy) -> Verdict:
+    async def _admit(self, pool: Pool, cls: str, cost: Cost, policy: Policy,
+                     capacity: Capacity) -> Verdict:
         """Decide on the ledger's snapshot and record atomically, within the deadline; apply
         the fault policy when the ledger does not answer (module docstring)."""
-        capacity = self.capacity.capacity(pool.name)
         request_id = uuid.uuid4().hex
         sent = False  # a reserve went out: it may have landed even if no answer came back
         try:
@@ -321,9 +365,10 @@ class Gate:
         finally:
             self.metrics.ledger_seconds.labels(op).observe(time.perf_counter() - started)
 
-    def refuse(self, error: RequestError, service_class: str) -> Verdict:
+    def refuse(self, error: RequestError, service_class: str,
+               tenant: Tenant | None = None) -> Verdict:
         """A verdict for a request refused before it could be checked (e.g. too large)."""
-        verdict = self._refuse(error, None, service_class)
+        verdict = dataclasses.replace(self._refuse(error, None, service_class), tenant=tenant)
         self.metrics.observe(verdict, self.config.mode, 0.0)
         return verdict
 
@@ -333,11 +378,51 @@ class Gate:
         return Verdict(Outcome.INVALID, reason, pool, cls, error=error,
                        enforced=True)
 
-    async def _estimate(self, request: InferenceRequest, pool: Pool) -> Cost:
+    async def _cost(self, request: InferenceRequest, pool: Pool, policy: Policy,
+                    capacity: Capacity) -> tuple[Cost, _Uncounted | None]:
+        """The request's cost, exact or (long new text, decision not close) estimated; then
+        also what is still to count (module docstring)."""
         counter = self._counters[pool.name]
-        if sum(len(t) for t in request.texts) > THREAD_COUNT_CHARS:
-            return await asyncio.to_thread(estimate, request, pool, counter)
-        return estimate(request, pool, counter)
+        known, missing = counter.cached(request.texts)
+        chars = sum(len(t) for t in missing)
+        if not missing or not counter.exact or chars <= ESTIMATE_CHARS:
+            how = "counted" if missing else "cached"
+            self.metrics.prompt_counts.labels(pool.name, how).inc()
+            return cost_for(request, pool, known + counter.count(missing)), None
+        calibration = self._calibrations[pool.name]
+        guess = calibration.estimate(chars)
+        low, high = (cost_for(request, pool, known + round(guess * (1.0 + m)))
+                     for m in (-calibration.margin, calibration.margin))
+        local = self._views.get(pool.name, _View()).snapshot()
+        now = self._clock()
+        a, b = (decide(c, local, capacity, policy, now) for c in (low, high))
+        if (a.outcome, a.reason) == (b.outcome, b.reason):
+            self.metrics.prompt_counts.labels(pool.name, "estimated").inc()
+            return cost_for(request, pool, known + guess), _Uncounted(missing, chars, known)
+        self.metrics.prompt_counts.labels(pool.name, "awaited").inc()
+        tokens = await asyncio.to_thread(counter.count, missing)
+        calibration.learn(chars, tokens)
+        return cost_for(request, pool, known + tokens), None
+
+    async def _correct(self, ticket: Ticket, request: InferenceRequest, pool: Pool,
+                       uncounted: _Uncounted, capacity: Capacity) -> None:
+        """Count a prompt admitted on an estimate exactly, off the event loop, and charge its
+        ledger entry the exact cost. One ledger call: if the ledger does not answer, the
+        estimate stays on the entry (the renewer re-records a lost entry at the exact cost)."""
+        try:
+            tokens = await asyncio.to_thread(self._counters[pool.name].count, uncounted.texts)
+        except RequestError:  # the text cannot be tokenized: the estimate stands
+            return
+        self._calibrations[pool.name].learn(uncounted.chars, tokens)
+        if ticket.settled:
+            return
+        exact = charge_ms(cost_for(request, pool, uncounted.known + tokens), capacity)
+        view = self._views.get(pool.name)
+        if view is not None:
+            view.outstanding_ms += exact - ticket.cost_ms
+        ticket.cost_ms = exact
+        with contextlib.suppress(LedgerUnavailable):
+            await self._ledger("adjust", self.ledger.adjust(ticket.request_id, pool.name, exact))
 
     def _entry(self, request_id: str, pool: str, verdict: Verdict) -> Entry:
         """Every request that reaches the backend is in the ledger, admitted or not (shadow

@@ -1,8 +1,8 @@
 """Prometheus metrics of the admission service, on a registry of its own.
 
 Labels stay low-cardinality: pool and class names come from configuration, outcome and reason
-from closed enums, mode is enforce or shadow. Nothing derived from a request's content is ever
-a label.
+from closed enums, mode is enforce or shadow, tenant is a name listed in ``tenant.known``, the
+default tenant or ``other``. Nothing derived from a request's content is ever a label.
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ class Metrics:
             "extproc_decision_duration_seconds",
             "Time from a complete request to a verdict (parse, tokenize, ledger, decide).",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_counts = Counter(
+            "extproc_prompt_token_counts",
+            "How prompts were counted: counted (on the event loop), cached (every text seen"
+            " before), estimated (decided on an estimate, counted exactly off the loop later),"
+            " awaited (a close decision waited for the exact count off the loop).",
+            ["pool", "how"], registry=self.registry)
         self.outstanding = Gauge(
             "extproc_outstanding_work_seconds",
             "Estimated GPU work owed to in-flight requests, per pool, at the last decision.",
@@ -55,7 +61,8 @@ class Metrics:
 
         self.ledger_seconds = Histogram(
             "extproc_ledger_call_duration_seconds",
-            "Ledger calls (snapshot, reserve, release, renew, expire), however they ended.",
+            "Ledger calls (snapshot, reserve, release, renew, adjust, expire), however they"
+            " ended.",
             ["op"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.ledger_errors = Counter(
             "extproc_ledger_errors",
@@ -96,6 +103,22 @@ class Metrics:
         self.recommendations = Counter(
             "extproc_autoscale_recommendations", "Recommendations, one per control window.",
             ["pool", "direction", "reason", "reading"], registry=self.registry)
+        # who is charged (extproc.tenant): tenant is a configured name, the default or "other"
+        self.tenant_decisions = Counter(
+            "extproc_tenant_decisions", "Admission decisions by the tenant charged.",
+            ["pool", "tenant", "outcome"], registry=self.registry)
+        self.tenant_fallbacks = Counter(
+            "extproc_tenant_fallbacks",
+            "Requests charged to the default tenant for want of one: missing, ambiguous"
+            " (the tenant header arrived more than once) or invalid.",
+            ["why"], registry=self.registry)
+        self.tls_reloads = Counter(
+            "extproc_tls_reloads",
+            "Changed certificate files found on the listener: served (ok) or refused.",
+            ["result"], registry=self.registry)
+
+    def tls_reload(self, ok: bool) -> None:
+        self.tls_reloads.labels("ok" if ok else "refused").inc()
 
     def ledger_breaker(self, state: int) -> None:
         self.ledger_breaker_state.set(int(state))
@@ -108,6 +131,11 @@ class Metrics:
         self.decision_seconds.observe(seconds)
         if verdict.decision is not None:
             self.predicted_wait.labels(pool, cls).observe(verdict.decision.wait_ms / 1000.0)
+        if verdict.tenant is not None:
+            self.tenant_decisions.labels(pool, verdict.tenant.label,
+                                         verdict.outcome.value).inc()
+            if verdict.tenant.fallback is not None:
+                self.tenant_fallbacks.labels(verdict.tenant.fallback.value).inc()
 
     def inflight(self, pool: str, delta: int) -> None:
         self.inflight_requests.labels(pool).inc(delta)

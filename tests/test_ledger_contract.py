@@ -132,3 +132,18 @@ async def test_outstanding_returns_to_exactly_zero(ledger: Ledger) -> None:
         await ledger.release(rid, "p")
     snap = await ledger.snapshot("p")
     assert (snap.inflight, snap.outstanding_ms) == (0, 0.0)
+
+
+async def test_adjust_changes_a_live_entry_and_nothing_else(ledger: Ledger) -> None:
+    await ledger.reserve(entry("a", 100.0))
+    await ledger.reserve(entry("b", 250.0))
+    assert await ledger.adjust("a", "p", 130.0)
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (2, pytest.approx(380.0))
+    assert not await ledger.adjust("gone", "p", 999.0)  # never re-creates
+    assert not await ledger.adjust("b", "other-pool", 999.0)
+    assert await ledger.release("a", "p")  # the release takes the adjusted cost away
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (1, pytest.approx(250.0))
+    assert not await ledger.adjust("a", "p", 50.0)  # released: stays gone
+    assert (await ledger.snapshot("p")).inflight == 1

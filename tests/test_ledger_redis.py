@@ -54,8 +54,9 @@ async def round_trip(ledger: RedisLedger) -> None:
         assert await ledger.reserve(entry("a", 600.0), ceiling_ms=1_000.0)
         assert not await ledger.reserve(entry("b", 500.0), ceiling_ms=1_000.0)
         assert await ledger.renew("a", "p", 60_000)
+        assert await ledger.adjust("a", "p", 650.0)
         snap = await ledger.snapshot("p")
-        assert (snap.inflight, snap.outstanding_ms) == (1, 600.0)
+        assert (snap.inflight, snap.outstanding_ms) == (1, 650.0)
         assert await ledger.release("a", "p")
         assert not await ledger.release("a", "p")
     finally:
@@ -137,6 +138,7 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("reserve"), _ids, _pools, _ms, st.none() | _ms),
     st.tuples(st.just("release"), _ids, _pools),
     st.tuples(st.just("renew"), _ids, _pools),
+    st.tuples(st.just("adjust"), _ids, _pools, _ms),
 ), max_size=30)
 
 
@@ -157,6 +159,8 @@ def test_any_sequence_gives_the_same_answers_and_totals_as_the_in_process_ledger
                     assert await memory.reserve(e, ceiling) == await shared.reserve(e, ceiling)
                 elif op[0] == "release":
                     assert await memory.release(*op[1:]) == await shared.release(*op[1:])
+                elif op[0] == "adjust":
+                    assert await memory.adjust(*op[1:]) == await shared.adjust(*op[1:])
                 else:
                     assert (await memory.renew(*op[1:], 60_000)
                             == await shared.renew(*op[1:], 60_000))

@@ -9,6 +9,8 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 - ``release(request_id, pool)`` removes it exactly once: True the first time, False for a
   double, late or unknown release, which never touch another entry.
 - ``renew(request_id, pool, lease_ms)`` extends the lease of a live entry.
+- ``adjust(request_id, pool, cost_ms)`` changes the cost of a live entry (its exact cost
+  arrived after it was admitted on an estimate); False, touching nothing, when it is gone.
 - ``expire()`` drops entries whose lease ended (their gateway died or lost the stream); a
   backstop, never the normal path.
 - ``snapshot(pool)`` is the decision's input: in-flight count and outstanding work.
@@ -38,6 +40,8 @@ class Ledger(Protocol):
     async def release(self, request_id: str, pool: str) -> bool: ...
 
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool: ...
+
+    async def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool: ...
 
     async def expire(self) -> int: ...
 

@@ -77,6 +77,15 @@ class LedgerCore:
         heapq.heappush(p.leases, (end, request_id))
         return True
 
+    def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool:
+        p = self._pools.get(pool)
+        if p is None or request_id not in p.entries:
+            return False
+        old, end = p.entries[request_id]
+        p.entries[request_id] = (cost_ms, end)
+        p.outstanding_ms = max(0.0, p.outstanding_ms - old + cost_ms)
+        return True
+
     def expire(self) -> int:
         now = self._clock()
         dropped = 0
@@ -113,6 +122,9 @@ class MemoryLedger:
 
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
         return self.core.renew(request_id, pool, lease_ms)
+
+    async def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool:
+        return self.core.adjust(request_id, pool, cost_ms)
 
     async def expire(self) -> int:
         return self.core.expire()

@@ -11,11 +11,11 @@ every script touches a single slot (never CROSSSLOT)::
 
 Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header):
 ``reserve`` checks the ceiling and records in one atomic step, ``release`` removes exactly once,
-``renew`` moves a lease end, ``expire`` drops at most ``sweep_batch`` lapsed entries per call,
-``snapshot`` reads the count and the total together. The total is an aggregate the scripts
-keep, never a sum over members, so each call costs O(log n) whatever the load. Lease ends come
-from Redis's ``TIME``: gateway clocks never matter. Python decides the ceiling; Lua only checks
-it. Scripts are sent by SHA (EVALSHA); a server that lost them (restart, failover, SCRIPT FLUSH)
+``renew`` moves a lease end, ``adjust`` changes a live entry's cost, ``expire`` drops at most
+``sweep_batch`` lapsed entries per call, ``snapshot`` reads the count and the total together.
+The total is an aggregate the scripts keep, never a sum over members, so each call costs
+O(log n) whatever the load. Lease ends come from Redis's ``TIME``: gateway clocks never matter.
+Python decides the ceiling; Lua only checks it. Scripts are sent by SHA (EVALSHA); a server that lost them (restart, failover, SCRIPT FLUSH)
 answers NOSCRIPT and gets the source once (EVAL caches it again, on the node owning the keys).
 
 Faults: every call has short explicit timeouts (connect and socket, ``timeout_ms``) and no
@@ -76,8 +76,8 @@ class _Script:
             return await client.eval(self.source, len(keys), *keys, *args)
 
 
-_RESERVE, _RELEASE, _RENEW, _EXPIRE, _SNAPSHOT = (
-    _Script(n) for n in ("reserve", "release", "renew", "expire", "snapshot"))
+_RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT = (
+    _Script(n) for n in ("reserve", "release", "renew", "adjust", "expire", "snapshot"))
 
 
 def _num(value: float) -> str:
@@ -131,6 +131,11 @@ class RedisLedger:
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
         leases = self.keys(pool)[0]
         return bool(await self._run("renew", _RENEW, (leases,), (request_id, _num(lease_ms))))
+
+    async def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool:
+        _, costs, total = self.keys(pool)
+        return bool(await self._run("adjust", _ADJUST, (costs, total),
+                                    (request_id, _num(cost_ms))))
 
     async def expire(self) -> int:
         """Drop lapsed entries of every known pool, ``sweep_batch`` per script call and at

@@ -1,0 +1,147 @@
+"""Counting prompt tokens fast: the per-text cache, the calibrated estimate for long cold
+prompts, and the exact correction of the ledger afterwards (``extproc.gate`` docstring)."""
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from extproc import config
+from extproc.admission import charge_ms
+from extproc.capacity import StaticCapacity
+from extproc.estimate import Calibration, TokenizerCounter, cost_for
+from extproc.gate import ESTIMATE_CHARS, Gate
+from extproc.ledger.memory import MemoryLedger
+from extproc.metrics import Metrics
+from extproc.request import parse
+
+WORDS = ("the patient reports mild pain after surgery and asks whether the dose should change;"
+         " summarize the history, list allergies, compare both trials and explain the risk").split()
+
+
+def prose(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) + (str(rng.randint(0, 999)) if rng.random() < 0.2 else "")
+                    for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def counter(llama3_tokenizer: str) -> TokenizerCounter:
+    return TokenizerCounter(llama3_tokenizer)
+
+
+class Spy(TokenizerCounter):
+    """A real counter that records which texts it had to tokenize."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.tokenized: list[int] = []  # lengths of the texts sent to the tokenizer
+
+    def count(self, texts: Any) -> int:
+        _, missing = self.cached(texts)
+        self.tokenized.extend(len(t) for t in missing)
+        return super().count(texts)
+
+
+def test_a_chat_turn_tokenizes_only_its_new_message(llama3_tokenizer: str) -> None:
+    rng = random.Random(1)
+    spy = Spy(llama3_tokenizer)
+    history: list[str] = []
+    for turn in range(5):
+        history.append(prose(rng, 150))
+        spy.tokenized.clear()
+        total = spy.count(history)
+        assert spy.tokenized == [len(history[-1])], f"turn {turn}"
+        assert total == TokenizerCounter(llama3_tokenizer).count(history)  # exact, cold
+
+
+def test_the_cache_is_bounded_least_recently_used_and_holds_no_text(
+        llama3_tokenizer: str) -> None:
+    spy = Spy(llama3_tokenizer, cache_entries=3)
+    texts = [f"document number {i} " + "lorem ipsum dolor sit amet " * 4 for i in range(5)]
+    for text in texts:
+        spy.count([text])
+    spy.count([texts[2]])  # recently used: kept
+    spy.tokenized.clear()
+    spy.count([texts[2], texts[3], texts[4]])
+    assert spy.tokenized == []
+    spy.count([texts[0]])  # evicted long ago: tokenized again
+    assert spy.tokenized == [len(texts[0])]
+    assert len(spy._cache) == 3
+    assert all(isinstance(k, tuple) and all(isinstance(x, int) for x in k) for k in spy._cache)
+
+
+def test_short_texts_are_not_cached(counter: TokenizerCounter) -> None:
+    known, missing = counter.cached(["hi there"])
+    counter.count(["hi there"])
+    assert counter.cached(["hi there"]) == (known, missing) == (0, ["hi there"])
+
+
+def test_calibration_learns_the_ratio_and_narrows_its_margin(
+        counter: TokenizerCounter) -> None:
+    rng = random.Random(2)
+    cal = Calibration(bytes_per_token=2.0)  # deliberately wrong start: 0.5 tokens per char
+    wide = cal.margin
+    for _ in range(100):
+        text = prose(rng, 400)
+        cal.learn(len(text), counter.count([text]))
+    text = prose(rng, 2000)
+    exact = counter.count([text])
+    assert cal.estimate(len(text)) == pytest.approx(exact, rel=0.05)
+    assert cal.margin < wide and cal.margin <= 0.15
+
+
+def settings(**pool: Any) -> config.Config:
+    return config.from_mapping({"pools": [{"name": "llama", "replicas": 1, "max_running": 8,
+                                           "tokenizer": pool.pop("tokenizer"), **pool}]})
+
+
+def chat(text: str, max_tokens: int = 100) -> bytes:
+    return json.dumps({"model": "m", "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": text}]}).encode()
+
+
+async def test_a_long_cold_prompt_is_decided_on_an_estimate_and_the_ledger_made_exact(
+        llama3_tokenizer: str) -> None:
+    cfg = settings(tokenizer=llama3_tokenizer)
+    ledger, metrics = MemoryLedger(), Metrics()
+    gate = Gate(cfg, ledger, StaticCapacity(cfg.pools), metrics)
+    route = cfg.route("/v1/chat/completions")
+    assert route is not None
+    text = prose(random.Random(3), 6000)
+    assert len(text) > ESTIMATE_CHARS
+    verdict = await gate.check(route, "/v1/chat/completions", {}, chat(text))
+    assert verdict.ticket is not None and verdict.ticket.correction is not None
+    assert metrics.prompt_counts.labels("llama", "estimated")._value.get() == 1
+    await verdict.ticket.correction
+    pool = cfg.pools[0]
+    request = parse(route.api, chat(text))
+    exact = charge_ms(cost_for(request, pool, TokenizerCounter(llama3_tokenizer).count(
+        request.texts)), StaticCapacity(cfg.pools).capacity("llama"))
+    assert (await ledger.snapshot("llama")).outstanding_ms == pytest.approx(exact, rel=1e-12)
+    assert verdict.ticket.cost_ms == pytest.approx(exact, rel=1e-12)
+    await gate.settle(verdict.ticket)
+    assert await ledger.snapshot("llama") == await MemoryLedger().snapshot("llama")
+    # The same prompt again is all cached: counted exactly, at once.
+    again = await gate.check(route, "/v1/chat/completions", {}, chat(text))
+    assert again.ticket is not None and again.ticket.correction is None
+    assert again.ticket.cost_ms == pytest.approx(exact, rel=1e-12)
+    assert metrics.prompt_counts.labels("llama", "cached")._value.get() == 1
+    await gate.settle(again.ticket)
+
+
+async def test_a_close_decision_waits_for_the_exact_count(llama3_tokenizer: str) -> None:
+    # About 8,000 tokens at 0.2 ms each is right at the 1.6 s TTFT budget (2 s x 0.8): the
+    # estimate's low end admits, its high end does not.
+    text = prose(random.Random(4), 6500)
+    tokens = TokenizerCounter(llama3_tokenizer).count([text])
+    cfg = settings(tokenizer=llama3_tokenizer, prefill_ms_per_token=1600.0 / tokens * 0.97)
+    metrics = Metrics()
+    gate = Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), metrics)
+    route = cfg.route("/v1/chat/completions")
+    assert route is not None
+    verdict = await gate.check(route, "/v1/chat/completions", {}, chat(text))
+    assert metrics.prompt_counts.labels("llama", "awaited")._value.get() == 1
+    assert verdict.ticket is not None and verdict.ticket.correction is None
+    assert verdict.prompt_tokens == tokens + cfg.pools[0].message_overhead_tokens
+    await gate.settle(verdict.ticket)
