@@ -21,6 +21,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     logs.setup(args.log_level)
     config = _load_config(args.config)
+    if args.worker_index is not None:
+        from extproc.workers import worker_config
+
+        config = worker_config(config, args.worker_index)
+    elif args.workers != 1:
+        from extproc.workers import supervise
+
+        return supervise(config, args.workers, args.config, args.log_level)
     try:
         import uvloop
 
@@ -51,13 +59,16 @@ def _fake_backend(args: argparse.Namespace) -> int:
 
 def _envoy_config(args: argparse.Namespace) -> int:
     from extproc import envoyconf
+    from extproc.workers import shifted
 
     config = _load_config(args.config)
     backends = tuple(_host_port(b) for b in args.backend or ["127.0.0.1:8000"])
     topo = envoyconf.Topology(
         listen_port=args.port, listen_address=args.listen_address, admin_port=args.admin_port,
         backends=backends, extproc=envoyconf.extproc_endpoint(config.listen),
-        fail_open=not args.fail_closed,
+        fail_open=not args.fail_closed, status_on_error=args.status_on_error,
+        extra_extprocs=tuple(envoyconf.extproc_endpoint(shifted(config.listen, i))
+                             for i in range(1, args.workers)),
     )
     text = envoyconf.render(config, topo)
     if args.output:
@@ -86,6 +97,17 @@ def _replay(args: argparse.Namespace) -> int:
         fleet_scale=args.fleet_scale, progress=not args.quiet)
 
 
+def _error_status(value: str) -> int:
+    from extproc import envoyconf
+
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"not an HTTP status code: {value!r}")
+    try:
+        return int(envoyconf.error_status(int(value)))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _host_port(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     return host, int(port)
@@ -98,6 +120,10 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the ext_proc admission server")
     s.add_argument("--config", help="YAML configuration file (defaults apply without one)")
+    s.add_argument("--workers", type=int, default=1,
+                   help="server processes, one endpoint each (ports listen+i; needs the redis"
+                        " ledger): see extproc.workers")
+    s.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     s.set_defaults(func=_serve)
 
     f = sub.add_parser("fake-backend", help="run a fake OpenAI-compatible inference server")
@@ -122,6 +148,10 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--admin-port", type=int, default=9901)
     e.add_argument("--backend", action="append", help="HOST:PORT of an inference replica")
     e.add_argument("--fail-closed", action="store_true")
+    e.add_argument("--status-on-error", type=_error_status, default=503, metavar="CODE",
+                   help="what a fail-closed Envoy answers while the processor is unreachable")
+    e.add_argument("--workers", type=int, default=1,
+                   help="endpoints of `extproc serve --workers N` to balance streams across")
     e.add_argument("--output", "-o")
     e.set_defaults(func=_envoy_config)
 
