@@ -147,3 +147,16 @@ async def test_adjust_changes_a_live_entry_and_nothing_else(ledger: Ledger) -> N
     assert (snap.inflight, snap.outstanding_ms) == (1, pytest.approx(250.0))
     assert not await ledger.adjust("a", "p", 50.0)  # released: stays gone
     assert (await ledger.snapshot("p")).inflight == 1
+
+
+async def test_memory_ledger_lease_heap_stays_proportional_to_live_entries() -> None:
+    core = MemoryLedger().core
+    for i in range(10_000):  # long leases, never expired: released ids must not pile up
+        core.reserve(entry(f"r{i}", lease_ms=3_600_000))
+        core.renew(f"r{i}", "p", 3_600_000)
+        if i >= 10:
+            core.release(f"r{i - 10}", "p")
+    assert core.snapshot("p").inflight == 10
+    assert len(core._pools["p"].leases) <= 2 * 10 + 64
+    for i in range(9_990, 10_000):
+        assert core.release(f"r{i}", "p")

@@ -8,7 +8,9 @@ method forwards to the core and returns, without suspending.
 Per pool the core keeps a dict of live entries plus running totals, so ``snapshot`` is O(1) and
 ``reserve``/``release`` are O(1). Lease ends sit in a min-heap with lazy deletion (a renewal
 pushes a new end; stale heap items are skipped), so ``expire`` costs O(log n) per entry it
-looks at and never scans the whole ledger.
+looks at and never scans the whole ledger. Stale items would otherwise pile up until their old
+lease ends pass (rate x lease of them): once they outnumber the live entries twice over the
+heap is rebuilt from the live ones, O(n) every O(n) operations, so memory stays O(live).
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ class _Pool:
     entries: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (cost, lease end)
     outstanding_ms: float = 0.0
     leases: list[tuple[float, str]] = field(default_factory=list)
+
+
+def _compact(p: _Pool) -> None:
+    """Rebuild the lease heap from the live entries once stale items dominate it."""
+    if len(p.leases) > 2 * len(p.entries) + 64:
+        p.leases = [(end, rid) for rid, (_, end) in p.entries.items()]
+        heapq.heapify(p.leases)
 
 
 class LedgerCore:
@@ -65,6 +74,7 @@ class LedgerCore:
         p.outstanding_ms = max(0.0, p.outstanding_ms - cost) if p.entries else 0.0
         if not p.entries:
             p.leases.clear()
+        _compact(p)
         return True
 
     def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
@@ -75,6 +85,7 @@ class LedgerCore:
         end = self._clock() + lease_ms / 1000.0
         p.entries[request_id] = (cost, end)
         heapq.heappush(p.leases, (end, request_id))
+        _compact(p)
         return True
 
     def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool:
