@@ -46,8 +46,9 @@ from extproc.ledger.memory import MemoryLedger  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-WORDS = ("please summarize the following clinical note and list each medication with its dose"
-         " then compare the two treatment plans and explain the main risks").split()
+WORDS = ("please", "summarize", "the", "following", "clinical", "note", "and", "list", "each",
+         "medication", "with", "its", "dose", "then", "compare", "the", "two", "treatment",
+         "plans", "and", "explain", "the", "main", "risks")
 
 
 def rss_mib() -> float:

@@ -36,6 +36,13 @@ class Infeasible(StrEnum):
     REJECT = "reject"  # refuse with a 400 that says why (never a 429)
 
 
+class ContentEncoding(StrEnum):
+    """What to do with a compressed request body (``extproc.encoding``)."""
+
+    REFUSE = "refuse"  # 415, naming the coding
+    DECODE = "decode"  # gzip / deflate inflated for reading, within max_inflation_ratio
+
+
 class Api(StrEnum):
     OPENAI_CHAT = "openai_chat"
     OPENAI_COMPLETIONS = "openai_completions"
@@ -176,6 +183,36 @@ class RetryAfter:
     jitter: float = 0.5  # Retry-After is drawn from [t, t * (1 + jitter)]
 
 
+class TenantSource(StrEnum):
+    """Where the tenant comes from (extproc.tenant): never from what the client sent."""
+
+    NONE = "none"  # no attribution
+    METADATA = "metadata"  # Envoy dynamic metadata, e.g. jwt_authn's payload_in_metadata
+    HEADER = "header"  # a header Envoy removes from the client's request and sets itself
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    source: TenantSource = TenantSource.NONE
+    metadata_namespace: str = "envoy.filters.http.jwt_authn"
+    metadata_key: str = "jwt_payload"  # jwt_authn's payload_in_metadata; "": none
+    claim: tuple[str, ...] = ("tenant",)  # the claim's key (a path into nested claims)
+    header: str = "x-tenant-id"
+    known: tuple[str, ...] = ()  # tenants that are metric labels; the rest count as "other"
+    default: str = "anonymous"  # charged when no tenant is named
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """mTLS on ``listen``: clients (Envoy) must present a certificate ``client_ca_file``
+    signed. Files are re-read when they change (extproc.tls)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str
+    reload_interval_s: float = 10.0  # how often a new connection checks the files at most
+
+
 @dataclass(frozen=True)
 class Config:
     pools: tuple[Pool, ...]
@@ -186,6 +223,8 @@ class Config:
     mode: Mode = Mode.ENFORCE
     infeasible: Infeasible = Infeasible.PASS
     max_body_bytes: int = 8 * 1024 * 1024
+    content_encoding: ContentEncoding = ContentEncoding.REFUSE
+    max_inflation_ratio: float = 20.0  # decoded / compressed bytes, with content_encoding decode
     deadline_header: str = "x-admission-deadline-ms"
     drain_grace_s: float = 25.0
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
@@ -195,6 +234,8 @@ class Config:
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     keda_listen: str | None = None  # KEDA external scaler gRPC (HOST:PORT); None: off
+    tenant: TenantConfig = field(default_factory=TenantConfig)
+    tls: ServerTls | None = None  # mTLS on ``listen``; None: plaintext (loopback, unix)
 
     def route(self, path: str) -> Route | None:
         """The route for a request path (query string ignored), or None to pass it untouched."""
@@ -365,6 +406,10 @@ def from_mapping(raw: Any) -> Config:
         mode=r.take(top, "", "mode", _enum(Mode), Mode.ENFORCE),
         infeasible=r.take(top, "", "infeasible", _enum(Infeasible), Infeasible.PASS),
         max_body_bytes=r.take(top, "", "max_body_bytes", int, 8 * 1024 * 1024, _positive),
+        content_encoding=r.take(top, "", "content_encoding", _enum(ContentEncoding),
+                                ContentEncoding.REFUSE),
+        max_inflation_ratio=r.take(top, "", "max_inflation_ratio", float, 20.0,
+                                   lambda v: None if v >= 1 else "must be >= 1"),
         deadline_header=r.take(top, "", "deadline_header", str, "x-admission-deadline-ms",
                                lambda v: None if v and v == v.lower() else "must be lower-case"),
         drain_grace_s=r.take(top, "", "drain_grace_s", float, 25.0, _non_negative),
@@ -375,6 +420,8 @@ def from_mapping(raw: Any) -> Config:
         capacity=capacity,
         autoscale=autoscale,
         keda_listen=r.take(top, "", "keda_listen", str, "", _address) or None,
+        tenant=_tenant(r, top.pop("tenant", None)),
+        tls=_server_tls(r, top.pop("tls", None)),
     )
     r.leftovers(top, "")
     if problems:
@@ -679,3 +726,93 @@ def _output_lengths(r: _Reader, body: dict[str, Any], p: str) -> dict[str, Any]:
                       lambda v: None if 0.5 <= v < 1 else "must be in [0.5, 1)")
     return {"expected_output_tokens": expected, "long_output_tokens": long,
             "wait_quantile": quantile}
+
+
+MAX_KNOWN_TENANTS = 100  # each known tenant is a metric label value: keep the set bounded
+_TENANT_KEYS_BY_SOURCE = {
+    TenantSource.METADATA: ("metadata_namespace", "metadata_key", "claim"),
+    TenantSource.HEADER: ("header",),
+}
+
+
+def _tenant_name(v: str) -> str | None:
+    if not v or len(v) > 64:
+        return "must be 1 to 64 characters"
+    return "is reserved for tenants not in tenant.known" if v == "other" else None
+
+
+def _header_name(v: str) -> str | None:
+    # Lower-case (Envoy sends names lower-cased) and no underscore: Envoy drops headers
+    # with underscores when tenant attribution is on (extproc.envoyconf).
+    if v and all(c.isascii() and (c.islower() or c.isdigit() or c == "-") for c in v):
+        return None
+    return "must be a lower-case header name of letters, digits and '-'"
+
+
+def _tenant(r: _Reader, raw: Any) -> TenantConfig:
+    """The ``tenant`` section: keys of one source are errors with another (a typo'd source
+    must not leave a configured claim silently unused)."""
+    p = "tenant."
+    body = r.section(raw, "tenant")
+    d = TenantConfig()
+    source = r.take(body, p, "source", _enum(TenantSource), d.source)
+    for other, keys in _TENANT_KEYS_BY_SOURCE.items():
+        for key in [k for k in keys if k in body and other is not source]:
+            r.problems.append(f"{p}{key}: only used with tenant.source {other.value!r}"
+                              f" (source is {source.value!r})")
+            body.pop(key)
+    claim = d.claim
+    if "claim" in body:
+        value = body.pop("claim")
+        path = [value] if isinstance(value, str) else value
+        if (isinstance(path, list) and path
+                and all(isinstance(k, str) and k for k in path)):
+            claim = tuple(path)
+        else:
+            r.problems.append(f"{p}claim: must be a claim name or a non-empty list of names"
+                              f" (a path into nested claims) (got {value!r})")
+    known = body.pop("known", [])
+    if not (isinstance(known, list) and all(isinstance(k, str) for k in known)):
+        r.problems.append(f"{p}known: must be a list of tenant names (got {known!r})")
+        known = []
+    for i, name in enumerate(known):
+        if (why := _tenant_name(name)) is not None:
+            r.problems.append(f"{p}known[{i}]: {why} (got {name!r})")
+    for dup in sorted({k for k in known if known.count(k) > 1}):
+        r.problems.append(f"{p}known: duplicate name {dup!r}")
+    if len(known) > MAX_KNOWN_TENANTS:
+        r.problems.append(f"{p}known: at most {MAX_KNOWN_TENANTS} names, each a metric label"
+                          f" value (got {len(known)})")
+    config = TenantConfig(
+        source=source,
+        metadata_namespace=r.take(body, p, "metadata_namespace", str, d.metadata_namespace,
+                                  lambda v: None if v else "must not be empty"),
+        metadata_key=r.take(body, p, "metadata_key", str, d.metadata_key),
+        claim=claim,
+        header=r.take(body, p, "header", str, d.header, _header_name),
+        known=tuple(known),
+        default=r.take(body, p, "default", str, d.default, _tenant_name),
+    )
+    r.leftovers(body, p)
+    return config
+
+
+def _server_tls(r: _Reader, raw: Any) -> ServerTls | None:
+    """The ``tls`` section (mutual TLS on ``listen``); absent: plaintext."""
+    if raw is None:
+        return None
+    p = "tls."
+    body = r.section(raw, "tls")
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        if key not in body:
+            r.problems.append(f"{p}{key}: required (clients must present a certificate)"
+                              if key == "client_ca_file" else f"{p}{key}: required")
+    tls = ServerTls(
+        cert_file=r.take(body, p, "cert_file", str, "", _existing_file),
+        key_file=r.take(body, p, "key_file", str, "", _existing_file),
+        client_ca_file=r.take(body, p, "client_ca_file", str, "", _existing_file),
+        reload_interval_s=r.take(body, p, "reload_interval_s", float,
+                                 ServerTls.reload_interval_s, _non_negative),
+    )
+    r.leftovers(body, p)
+    return tls

@@ -11,7 +11,8 @@ traffic. A line never holds prompt text or anything else from the body but token
 ``time`` is wall-clock seconds (to line up with other logs); ``charged_tokens`` is the output
 the decision charged (``max_tokens`` or the pool default, times choices); ``decision`` and
 ``reason`` are the ``Outcome`` and ``Reason`` values; ``predicted_ms`` is the predicted
-completion. ``duration_ms`` is the measured time from the decision to the end of the request's
+completion; ``tenant`` (only with tenant attribution on, ``extproc.tenant``) is who was
+charged. ``duration_ms`` is the measured time from the decision to the end of the request's
 stream, known only for requests that ran (``null`` for rejected ones). A request that runs is
 logged when its stream ends, so lines are ordered by end, not by ``time``; readers sort.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -48,6 +50,7 @@ class Record:
     wait_ms: float | None = None
     duration_ms: float | None = None
     output_tokens: int | None = None  # only when a source knows it (never the gateway today)
+    tenant: str | None = None  # who was charged, when tenant attribution is on
 
     def to_json(self) -> str:
         row: dict[str, Any] = {
@@ -61,6 +64,8 @@ class Record:
         }
         if self.output_tokens is not None:
             row["output_tokens"] = self.output_tokens
+        if self.tenant is not None:
+            row["tenant"] = self.tenant
         return json.dumps(row, separators=(",", ":"))
 
 
@@ -96,11 +101,8 @@ class DecisionLog:
 
     def end(self, pending: Pending, now: float) -> None:
         """The request's stream ended at ``now`` (same clock as ``pending.started``)."""
-        rec = pending.record
-        self.write(Record(rec.time_s, rec.pool, rec.service_class, rec.prompt_tokens,
-                          rec.charged_tokens, rec.deadline_ms, rec.decision, rec.reason,
-                          rec.mode, rec.predicted_ms, rec.wait_ms,
-                          duration_ms=max(0.0, (now - pending.started) * 1000.0)))
+        self.write(dataclasses.replace(
+            pending.record, duration_ms=max(0.0, (now - pending.started) * 1000.0)))
 
     def flush(self) -> None:
         if self._timer is not None:
@@ -132,6 +134,7 @@ def _record(raw: Any, where: str) -> Record:
             duration_ms=_opt_float(raw.get("duration_ms")),
             output_tokens=None if raw.get("output_tokens") is None
             else int(raw["output_tokens"]),
+            tenant=None if raw.get("tenant") is None else str(raw["tenant"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError([f"{where}: bad decision record ({exc!r})"]) from exc

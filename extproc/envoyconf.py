@@ -19,11 +19,19 @@ Choices made here, each matching what the server expects:
   takes ~0.35 s on one core; the default 200 ms would fail long prompts under load.
 - ``failure_mode_allow: true`` (fail-open) by default: if the processor is down, traffic flows
   as if there were no admission control (the pre-existing behaviour) and Envoy counts it in
-  ``ext_proc.failure_mode_allowed``; set ``fail_open: false`` to answer 503 instead.
+  ``ext_proc.failure_mode_allowed``; set ``fail_open: false`` to answer ``status_on_error``
+  instead (503 by default: it tells clients and retry policies the gateway is briefly unable,
+  where Envoy's own default, 500, says the request broke something).
 - Circuit breakers: Envoy's default of 1,024 concurrent requests per cluster would cap long
   LLM streams (one ext_proc gRPC stream per HTTP request): both clusters get 100,000.
 - No route timeout: generations can run for many minutes; clients own their deadlines.
 - Upstream health checks on ``/health``.
+- Tenant trust (only with ``tenant.source`` set; ``_trust_tenant_source``): the metadata
+  namespace is forwarded to ext_proc, client copies of the tenant header are removed before
+  any filter runs, headers with underscores are dropped. ``Topology.http_filters`` puts the
+  operator's filters (e.g. jwt_authn) before ext_proc.
+- ``Topology.extproc_tls``: mTLS towards the processor (``tls`` in its config); a
+  ``listen: unix:PATH`` processor is reached at a ``pipe`` address.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     LoadBalancingPolicy,
     LoadBalancingPolicyPolicy,
 )
+from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
+from envoy_data_plane.envoy.config.core import v3 as core
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
     GrpcService,
@@ -77,6 +87,8 @@ from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingH
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
+    MetadataOptions,
+    MetadataOptionsMetadataNamespaces,
     ProcessingMode,
     ProcessingModeBodySendMode,
     ProcessingModeHeaderSendMode,
@@ -88,18 +100,23 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
     HttpConnectionManagerTracing,
     HttpFilter,
 )
+from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutation import (
+    v3 as early_header_mutation,
+)
 from envoy_data_plane.envoy.extensions.load_balancing_policies.least_request.v3 import (
     LeastRequest,
     LeastRequestSelectionMethod,
 )
+from envoy_data_plane.envoy.extensions.transport_sockets.tls import v3 as tls
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptions,
     HttpProtocolOptionsExplicitHttpConfig,
 )
+from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
 from envoy_data_plane.google.protobuf import Any as AnyProto
 
-from extproc.config import Config
+from extproc.config import Config, TenantConfig, TenantSource
 
 BUFFER_SLACK_BYTES = 1024
 _BIG = 100_000
@@ -141,6 +158,8 @@ class _Doc:
         betterproto2's ``to_dict`` for scalars, enums (by name), durations ("2s") and wrapper
         types; nested messages are recursed here so explicit defaults and ``Any``s survive."""
         if isinstance(msg, AnyProto):
+            if id(msg) not in self._packed:  # packed by a caller (Topology.http_filters)
+                return msg.to_dict(casing=betterproto2.Casing.SNAKE)
             return {"@type": msg.type_url, **self.json(self._packed[id(msg)][1])}
         out = msg.to_dict(casing=betterproto2.Casing.SNAKE)
         if id(msg) in self._explicit:
@@ -183,7 +202,33 @@ class Topology:
     extproc: tuple[str, int] = ("127.0.0.1", 50051)
     extra_extprocs: tuple[tuple[str, int], ...] = ()  # more replicas sharing one ledger
     fail_open: bool = True
+    status_on_error: int = 503  # what a fail-closed gateway answers while the processor is away
     access_log: bool = False
+    processor: bool = True  # False: no ext_proc filter nor cluster (the benchmark's baseline)
+    # Filters placed before ext_proc, e.g. the JWT filter whose payload names the tenant
+    # (their typed_config packed with ``google.protobuf.Any.pack``).
+    http_filters: tuple[HttpFilter, ...] = ()
+    extproc_tls: ExtprocTls | None = None  # mTLS towards the processor (its ``tls`` section)
+
+
+@dataclass(frozen=True)
+class ExtprocTls:
+    """Envoy's side of mTLS towards ``extproc serve``: its client certificate and the CA
+    that signed the server's. ``server_name``: sent as SNI and required among the server
+    certificate's DNS names; None: any certificate the CA signed is accepted."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    server_name: str | None = None
+
+
+def error_status(code: int) -> StatusCode:
+    """An HTTP error status (4xx or 5xx) Envoy knows by name: its ``HttpStatus`` accepts
+    only the codes of its ``StatusCode`` enum, so any other number fails here, not in Envoy."""
+    if 400 <= code <= 599 and code in StatusCode._value2member_map_:
+        return StatusCode(code)
+    raise ValueError(f"status_on_error must be a 4xx or 5xx status Envoy defines, got {code}")
 
 
 def _address(host: str, port: int) -> Address:
@@ -237,9 +282,10 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         ExternalProcessor(
             grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name="extproc")),
             failure_mode_allow=topo.fail_open,
-            status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+            status_on_error=HttpStatus(code=error_status(topo.status_on_error)),
             message_timeout=_s(2),
             allow_mode_override=True,
+            metadata_options=_forwarded_metadata(config.tenant),
             processing_mode=doc.explicit(ProcessingMode(
                 request_header_mode=_HEADER.SEND,
                 response_header_mode=_HEADER.SKIP,
@@ -260,10 +306,12 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
                           route=RouteAction(cluster="inference", timeout=_s(0)))],
         )]),
         http_filters=[
-            ext_proc,
+            *topo.http_filters,
+            *([ext_proc] if topo.processor else []),
             HttpFilter(name="envoy.filters.http.router", typed_config=doc.pack(Router())),
         ],
     ), "codec_type")
+    _trust_tenant_source(doc, config.tenant, hcm)
     otel = _collector(config.tracing.endpoint)
     if otel is not None:
         # Envoy's own span for each request, exported to the same collector as ours; the
@@ -309,6 +357,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         typed_extension_protocol_options=_http2(doc),
         circuit_breakers=_breakers(doc),
         load_assignment=_assignment("extproc", (topo.extproc, *topo.extra_extprocs)),
+        transport_socket=_upstream_tls(doc, topo.extproc_tls),
     ), "type")
     return doc.json(Bootstrap(
         admin=Admin(address=_address("127.0.0.1", topo.admin_port)),
@@ -322,10 +371,67 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
                     typed_config=doc.pack(hcm),
                 )])],
             )],
-            clusters=[inference, extproc,
+            clusters=[inference, *([extproc] if topo.processor else []),
                       *([_otel_cluster(doc, *otel)] if otel is not None else [])],
         ),
     ))
+
+
+def _forwarded_metadata(tenant: TenantConfig) -> MetadataOptions | None:
+    """With ``tenant.source: metadata``, Envoy forwards that namespace (e.g. the JWT payload
+    jwt_authn wrote) on each ext_proc message; nothing else is forwarded."""
+    if tenant.source is not TenantSource.METADATA:
+        return None
+    return MetadataOptions(forwarding_namespaces=MetadataOptionsMetadataNamespaces(
+        untyped=[tenant.metadata_namespace]))
+
+
+def _trust_tenant_source(doc: _Doc, tenant: TenantConfig, hcm: HttpConnectionManager) -> None:
+    """What makes a tenant unforgeable by clients (extproc.tenant):
+
+    - any source: headers with underscores are dropped (``x_tenant_id`` is not our header,
+      but backends that fold ``_`` into ``-``, as CGI and WSGI do, would read it as one),
+      counted in the codec stats ``http1.dropped_headers_with_underscores`` (and http2's).
+      Dropping rather than rejecting keeps innocent underscore headers from becoming 400s.
+    - ``header``: every client copy of the header is removed before any filter runs (the
+      connection manager's early header mutation; route-level ``request_headers_to_remove``
+      would be too late: the router applies it after ext_proc has seen the header). Only a
+      filter of this chain, e.g. jwt_authn's ``claim_to_headers``, can set it again.
+    """
+    if tenant.source is TenantSource.NONE:
+        return
+    hcm.common_http_protocol_options = core.HttpProtocolOptions(
+        headers_with_underscores_action=(
+            core.HttpProtocolOptionsHeadersWithUnderscoresAction.DROP_HEADER))
+    if tenant.source is TenantSource.HEADER:
+        hcm.early_header_mutation_extensions = [core.TypedExtensionConfig(
+            name="envoy.http.early_header_mutation.header_mutation",
+            typed_config=doc.pack(early_header_mutation.HeaderMutation(
+                mutations=[HeaderMutation(remove=tenant.header)])),
+        )]
+
+
+def _upstream_tls(doc: _Doc, settings: ExtprocTls | None) -> core.TransportSocket | None:
+    """mTLS towards the processor: Envoy's client certificate, the server's CA, HTTP/2 by
+    ALPN (gRPC), and the server's name checked when one is given."""
+    if settings is None:
+        return None
+    sans = ([tls.SubjectAltNameMatcher(san_type=tls.SubjectAltNameMatcherSanType.DNS,
+                                       matcher=StringMatcher(exact=settings.server_name))]
+            if settings.server_name else [])
+    return core.TransportSocket(name="envoy.transport_sockets.tls", typed_config=doc.pack(
+        tls.UpstreamTlsContext(
+            sni=settings.server_name or "",
+            common_tls_context=tls.CommonTlsContext(
+                alpn_protocols=["h2"],
+                tls_certificates=[tls.TlsCertificate(
+                    certificate_chain=core.DataSource(filename=settings.cert_file),
+                    private_key=core.DataSource(filename=settings.key_file))],
+                validation_context=tls.CertificateValidationContext(
+                    trusted_ca=core.DataSource(filename=settings.ca_file),
+                    match_typed_subject_alt_names=sans),
+            ),
+        )))
 
 
 def _collector(endpoint: str | None) -> tuple[str, int] | None:

@@ -12,7 +12,23 @@ Supported shapes (``Api``):
 Anything unusable raises ``BadRequest`` with a message that names the field and never quotes
 the prompt. Ambiguous JSON is refused rather than guessed at: duplicate keys (the inference
 server might read the other copy than we costed), NaN/Infinity, numbers too long to convert,
-nesting too deep to parse, invalid UTF-8 and lone surrogates.
+nesting too deep to parse, invalid UTF-8 and lone surrogates (in prompt text, tools and the
+model name). Counts (``max_tokens``, ``n``...) above ``MAX_COUNT`` are refused: no engine takes
+them, and the cost model works in floats.
+
+Hostile shapes are bounded before they cost time. Parsing is linear in the body, but the
+constant differs a hundredfold: a megabyte of prompt text parses in ~3 ms, a megabyte of
+``[],`` (350,000 empty arrays) in 0.15-0.4 s on a loaded 2-core machine, all of it on the
+event loop that serves every other stream (and Envoy gives a phase 2 s). So a body with more
+than ``MAX_CONTAINERS`` ``[`` and ``{`` bytes is refused before it is parsed: a byte count, so
+brackets inside strings count too, but 500,000 of them are 6 % of a default-size (8 MiB)
+body, far denser than code or JSON pasted into a prompt. 100,000 content parts, say, still
+parse and are costed in well under a second.
+
+``check_content_type`` is the rule for the ``Content-Type`` header of an admission route:
+absent, ``application/json`` or ``application/*+json`` (with no charset, or UTF-8); anything
+else is a 415, because the inference server would not read the body as JSON either (FastAPI,
+behind vLLM, does not; TGI wants ``application/json``).
 """
 
 from __future__ import annotations
@@ -22,9 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.config import Api
-from extproc.errors import BadRequest
+from extproc.errors import BadRequest, UnsupportedMedia
 
 MAX_PROMPTS = 4096  # list prompts / embedding inputs per request
+MAX_COUNT = 2**31 - 1  # max_tokens, n...: an engine's int32
+MAX_CONTAINERS = 500_000  # '[' and '{' bytes in a body (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +84,28 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return doc
 
 
+def check_content_type(value: str | None) -> None:
+    """Raise ``UnsupportedMedia`` unless the body is declared JSON in UTF-8 (or undeclared)."""
+    if value is None or not value.strip():
+        return
+    media, *params = (p.strip().lower() for p in value.split(";"))
+    kind, _, subtype = media.partition("/")
+    if kind != "application" or not (subtype == "json" or subtype.endswith("+json")):
+        raise UnsupportedMedia("Content-Type must be application/json",
+                               code="unsupported_media_type")
+    for param in params:
+        name, _, charset = param.partition("=")
+        if name.strip() == "charset" and charset.strip().strip('"') not in ("utf-8", "utf8"):
+            raise UnsupportedMedia("request bodies must be encoded in UTF-8",
+                                   code="unsupported_media_type")
+
+
 def _load(body: bytes) -> Any:
     if not body:
         raise BadRequest("request body is empty; expected a JSON object")
+    if body.count(b"[") + body.count(b"{") > MAX_CONTAINERS:
+        raise BadRequest(f"request body has more than {MAX_CONTAINERS} '[' and '{{' characters"
+                         " (JSON arrays and objects)", code="too_complex")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -97,7 +134,7 @@ def _model(doc: dict[str, Any]) -> str:
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    return model
+    return _text(model, "model")
 
 
 def _positive_int(doc: dict[str, Any], key: str) -> int | None:
@@ -108,6 +145,8 @@ def _positive_int(doc: dict[str, Any], key: str) -> int | None:
         raise BadRequest(f"'{key}' must be an integer", param=key)
     if value <= 0:
         raise BadRequest(f"'{key}' must be greater than 0", param=key)
+    if value > MAX_COUNT:
+        raise BadRequest(f"'{key}' must be at most {MAX_COUNT}", param=key)
     return value
 
 
@@ -150,7 +189,7 @@ def _chat(doc: dict[str, Any]) -> InferenceRequest:
     if tools is not None:
         if not isinstance(tools, list):
             raise BadRequest("'tools' must be an array", param="tools")
-        texts.append(json.dumps(tools, ensure_ascii=False))
+        texts.append(_text(json.dumps(tools, ensure_ascii=False), "tools"))
     max_tokens = _positive_int(doc, "max_completion_tokens") or _positive_int(doc, "max_tokens")
     return InferenceRequest(
         model=model,
@@ -251,7 +290,7 @@ def _tgi(doc: dict[str, Any], *, stream: bool) -> InferenceRequest:
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
     return InferenceRequest(
-        model=model,
+        model=_text(model, "model"),
         texts=(_text(inputs, "inputs"),),
         max_tokens=_positive_int(params, "max_new_tokens"),
         stream=stream or _bool(doc, "stream"),

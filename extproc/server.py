@@ -18,6 +18,11 @@ operator who wants pods out of rotation while Redis is away (fail-closed deploym
 ``extproc.ledger``. Starting without Redis is not an error: the process serves, reports the
 ledger down and recovers on its own.
 
+Listener: ``listen`` is HOST:PORT or ``unix:PATH``; with a ``tls`` section it serves mutual
+TLS only (``extproc.tls``: clients must present a certificate the configured CA signed; the
+files are re-read when they change). Tenant: read once per stream, from the request headers
+message, only from what Envoy vouches for (``extproc.tenant``), and passed to every verdict.
+
 Drain (SIGTERM): health turns NOT_SERVING at once; new streams are still served (Envoy in the
 same pod is draining too, and refusing them would turn into 5xx), until no stream has been
 open for a second or ``drain_grace_s`` has passed; then the process exits.
@@ -38,16 +43,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from extproc import responses
+from extproc import encoding, responses
 from extproc.capacity import (
     CapacitySource,
     EnvoyAdminCapacity,
     KubernetesCapacity,
     StaticCapacity,
 )
-from extproc.config import Config
+from extproc.config import Config, ContentEncoding
 from extproc.control import Control
-from extproc.errors import BodyTooLarge, LedgerUnavailable
+from extproc.errors import BodyTooLarge, LedgerUnavailable, RequestError
 from extproc.gate import Gate, Ticket, Verdict
 from extproc.keda import ExternalScaler
 from extproc.keda import add_to_server as add_scaler
@@ -55,7 +60,10 @@ from extproc.ledger import Ledger
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 from extproc.metrics import Metrics
+from extproc.request import check_content_type
 from extproc.telemetry import Tracing
+from extproc.tenant import Tenant, Tenants
+from extproc.tls import ServerCertificates
 
 log = logging.getLogger(__name__)
 
@@ -86,28 +94,33 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.config = gate.config
         self.rng = rng or random.Random()
         self.open_streams = 0
+        self.tenants = Tenants(gate.config.tenant)
 
     async def Process(
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         self.open_streams += 1
         ticket: Ticket | None = None
+        decided = False  # one decision per stream: a request phase repeated after it continues
         completed = False
         try:
             headers: Mapping[str, str] = {}
+            tenant: Tenant | None = None
             async for message in requests:
                 phase = message.WhichOneof("request")
-                if phase == "request_headers":
+                if phase == "request_headers" and not decided:
                     headers = header_map(message.request_headers)
-                    answer, verdict = await self._on_headers(message.request_headers, headers)
-                elif phase == "request_body":
+                    tenant = self._tenant(message)
+                    answer, verdict = await self._on_headers(message.request_headers, headers,
+                                                             tenant=tenant)
+                elif phase == "request_body" and not decided:
                     trace = _trace_context(context) if self.gate.tracing.enabled else {}
                     answer, verdict = await self._on_body(message.request_body, headers,
-                                                          trace)
+                                                          trace, tenant=tenant)
                 else:
                     answer, verdict = _continue(phase), None
                 if verdict is not None:
-                    ticket = verdict.ticket
+                    ticket, decided = verdict.ticket, True
                 yield answer
                 if answer.HasField("immediate_response"):
                     return
@@ -117,35 +130,63 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if ticket is not None:
                 await self.gate.settle(ticket, completed)
 
+    def _tenant(self, message: pb.ProcessingRequest) -> Tenant | None:
+        """Who is charged: only from the metadata Envoy forwarded or a header Envoy set
+        (extproc.tenant); every copy of the header is passed, as Envoy sent it."""
+        if not self.tenants.enabled:
+            return None
+        pairs = [(h.key, h.raw_value.decode("latin-1") if h.raw_value else h.value)
+                 for h in message.request_headers.headers.headers]
+        return self.tenants.resolve(message.metadata_context.filter_metadata, pairs)
+
     async def _on_headers(
-        self, message: pb.HttpHeaders, headers: Mapping[str, str]
+        self, message: pb.HttpHeaders, headers: Mapping[str, str], *,
+        tenant: Tenant | None = None,
     ) -> tuple[pb.ProcessingResponse, Verdict | None]:
         route = self.config.route(headers.get(":path", ""))
         if route is None or headers.get(":method", "POST") != "POST":
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
                                          mode_override=_SKIP_BODY), None
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.config.max_body_bytes:
-            return self._answer(self._too_large(route.service_class))
+        if _declared_length(headers.get("content-length", "")) > self.config.max_body_bytes:
+            return self._answer(self._too_large(route.service_class, tenant))
+        try:  # a body we can read: JSON (extproc.request), in a coding we take (.encoding)
+            check_content_type(headers.get("content-type"))
+            self._coding(headers)
+        except RequestError as exc:
+            return self._answer(self.gate.refuse(exc, route.service_class, tenant))
         if message.end_of_stream:  # a POST without a body: decide now (it is a 400)
-            return self._answer(await self.gate.check(route, headers[":path"], headers, b""))
+            return self._answer(await self.gate.check(route, headers[":path"], headers, b"",
+                                                      tenant=tenant))
         return responses.continue_headers(), None
 
     async def _on_body(
-        self, message: pb.HttpBody, headers: Mapping[str, str], trace: Mapping[str, str]
+        self, message: pb.HttpBody, headers: Mapping[str, str], trace: Mapping[str, str], *,
+        tenant: Tenant | None = None,
     ) -> tuple[pb.ProcessingResponse, Verdict | None]:
         path = headers.get(":path", "")
         route = self.config.route(path)
         if route is None:
             return responses.continue_body(), None
         if not message.end_of_stream or len(message.body) > self.config.max_body_bytes:
-            return self._answer(self._too_large(route.service_class))
-        return self._answer(await self.gate.check(route, path, headers, message.body, trace))
+            return self._answer(self._too_large(route.service_class, tenant))
+        body = message.body
+        try:
+            if (how := self._coding(headers)) is not None:  # read inflated, forwarded as sent
+                body = encoding.decode(body, how, max_bytes=self.config.max_body_bytes,
+                                       max_ratio=self.config.max_inflation_ratio)
+        except RequestError as exc:
+            return self._answer(self.gate.refuse(exc, route.service_class, tenant))
+        return self._answer(await self.gate.check(route, path, headers, body, trace,
+                                                  tenant=tenant))
 
-    def _too_large(self, service_class: str) -> Verdict:
+    def _coding(self, headers: Mapping[str, str]) -> encoding.Coding | None:
+        return encoding.coding(headers.get("content-encoding"),
+                               decode=self.config.content_encoding is ContentEncoding.DECODE)
+
+    def _too_large(self, service_class: str, tenant: Tenant | None = None) -> Verdict:
         error = BodyTooLarge(f"request body exceeds the limit of {self.config.max_body_bytes}"
                              " bytes", code="request_too_large")
-        return self.gate.refuse(error, service_class)
+        return self.gate.refuse(error, service_class, tenant)
 
     def _answer(self, verdict: Verdict) -> tuple[pb.ProcessingResponse, Verdict]:
         if not verdict.blocks:
@@ -163,8 +204,21 @@ def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:
             if k in ("traceparent", "tracestate") and isinstance(v, str)}
 
 
+def _declared_length(value: str) -> int:
+    """``content-length`` as a number: 0 unless plain ASCII digits (Envoy's codec refuses
+    anything else before we see it); more digits than any body has count as endless."""
+    if not (value.isascii() and value.isdigit()):
+        return 0
+    return int(value) if len(value) <= 18 else 10**18
+
+
 def _continue(phase: str | None) -> pb.ProcessingResponse:
-    """Answer a phase we did not ask for, so a misconfigured Envoy never hangs a request."""
+    """Answer a phase we did not ask for (or a request phase repeated after the decision),
+    so a misconfigured Envoy never hangs a request."""
+    if phase == "request_headers":
+        return responses.continue_headers()
+    if phase == "request_body":
+        return responses.continue_body()
     if phase == "response_headers":
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
     if phase == "response_body":
@@ -192,6 +246,9 @@ class Service:
         self.keda: grpc.aio.Server | None = None
         self.ledger_up: bool | None = None
         self.processor = Processor(self.gate)
+        # mTLS on ``listen`` (extproc.tls): the files are checked here, re-read when changed
+        self.tls = (ServerCertificates(config.tls, on_reload=self.metrics.tls_reload)
+                    if config.tls is not None else None)
         self.health = health.aio.HealthServicer()
         # The body arrives in one message. Envoy cuts an oversize body only after its buffer
         # passed the limit, so the message can overshoot by about one read batch (bounded by
@@ -212,7 +269,11 @@ class Service:
         self._closing = False  # background loops end on it even if a cancellation is lost
 
     async def start(self) -> None:
-        self.grpc_port = self.server.add_insecure_port(self.config.listen)
+        if self.tls is not None:
+            self.grpc_port = self.server.add_secure_port(self.config.listen,
+                                                         self.tls.credentials())
+        else:
+            self.grpc_port = self.server.add_insecure_port(self.config.listen)
         await self.server.start()
         if self.config.keda_listen:
             scaler = ExternalScaler(self.control.recommendation)

@@ -7,6 +7,7 @@ the work directory, and is stopped (SIGTERM, then SIGKILL) on exit, whatever hap
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -98,6 +99,8 @@ class LocalStack:
 
     ``settings`` is the YAML mapping for ``extproc serve`` (listen addresses are filled in).
     ``backends`` fake-backend processes, each started with ``backend_args``.
+    ``extproc_listen`` where replica 0 listens instead of a free port (e.g. ``unix:PATH``);
+    ``envoy`` more ``envoyconf.Topology`` fields (e.g. ``http_filters``, ``extproc_tls``).
     ``extproc_replicas`` ``extproc serve`` processes behind Envoy (the same settings on their
     own ports; share a Redis ledger to make them one admission controller): replica 0 is
     ``grpc_port``/``metrics_url``, the others ``replica_grpc_port(i)``/``replica_metrics_url(i)``.
@@ -105,7 +108,9 @@ class LocalStack:
 
     def __init__(self, workdir: str | os.PathLike[str], settings: Mapping[str, Any], *,
                  backends: int = 1, backend_args: Sequence[str] = (), fail_open: bool = True,
-                 env: Mapping[str, str] | None = None, extproc_replicas: int = 1) -> None:
+                 env: Mapping[str, str] | None = None, extproc_replicas: int = 1,
+                 status_on_error: int = 503, extproc_listen: str | None = None,
+                 envoy: Mapping[str, Any] | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.grpc_port = free_port()
@@ -113,10 +118,13 @@ class LocalStack:
         self.envoy_port = free_port()
         self.admin_port = free_port()
         self.backend_ports = [free_port() for _ in range(backends)]
-        self.settings = {**settings, "listen": f"127.0.0.1:{self.grpc_port}",
+        self.extproc_listen = extproc_listen or f"127.0.0.1:{self.grpc_port}"
+        self.settings = {**settings, "listen": self.extproc_listen,
                          "metrics_listen": f"127.0.0.1:{self.metrics_port}"}
+        self.envoy_options = dict(envoy or {})  # more envoyconf.Topology fields
         self.backend_args = list(backend_args)
         self.fail_open = fail_open
+        self.status_on_error = status_on_error  # what Envoy answers, fail-closed, without us
         self.env = dict(env or {})
         self.processes: dict[str, Process] = {}
         self.config_path = self.workdir / "extproc.yaml"
@@ -158,9 +166,11 @@ class LocalStack:
         topo = envoyconf.Topology(
             listen_port=self.envoy_port, admin_port=self.admin_port,
             backends=tuple(("127.0.0.1", p) for p in self.backend_ports),
-            extproc=("127.0.0.1", self.grpc_port), fail_open=self.fail_open,
+            extproc=envoyconf.extproc_endpoint(self.extproc_listen), fail_open=self.fail_open,
+            status_on_error=self.status_on_error,
             extra_extprocs=tuple(("127.0.0.1", g) for g, _ in self.extra_ports),
         )
+        topo = dataclasses.replace(topo, **self.envoy_options)
         self.envoy_path.write_text(envoyconf.render(config, topo))
         for i, port in enumerate(self.backend_ports):
             proc = self._spawn(f"backend{i}", ["fake-backend", "--port", str(port),

@@ -16,8 +16,9 @@ from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
 from extproc.request import parse
 
-WORDS = ("the patient reports mild pain after surgery and asks whether the dose should change;"
-         " summarize the history, list allergies, compare both trials and explain the risk").split()
+WORDS = ("the", "patient", "reports", "mild", "pain", "after", "surgery", "and", "asks",
+         "whether", "the", "dose", "should", "change;", "summarize", "the", "history,", "list",
+         "allergies,", "compare", "both", "trials", "and", "explain", "the", "risk")
 
 
 def prose(rng: random.Random, words: int) -> str:

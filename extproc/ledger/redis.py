@@ -15,8 +15,9 @@ Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARG
 ``sweep_batch`` lapsed entries per call, ``snapshot`` reads the count and the total together.
 The total is an aggregate the scripts keep, never a sum over members, so each call costs
 O(log n) whatever the load. Lease ends come from Redis's ``TIME``: gateway clocks never matter.
-Python decides the ceiling; Lua only checks it. Scripts are sent by SHA (EVALSHA); a server that lost them (restart, failover, SCRIPT FLUSH)
-answers NOSCRIPT and gets the source once (EVAL caches it again, on the node owning the keys).
+Python decides the ceiling; Lua only checks it. Scripts are sent by SHA (EVALSHA); a server
+that lost them (restart, failover, SCRIPT FLUSH) answers NOSCRIPT and gets the source once
+(EVAL caches it again, on the node owning the keys).
 
 Faults: every call has short explicit timeouts (connect and socket, ``timeout_ms``) and no
 client retries (a retry would double the wait of a decision that has a deadline). Any Redis or
