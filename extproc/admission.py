@@ -98,6 +98,7 @@ class Reason(StrEnum):
     BODY_TOO_LARGE = "body_too_large"
     UNSUPPORTED_MEDIA = "unsupported_media"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
+    PROCESSOR_OVERLOADED = "processor_overloaded"  # shed before deciding (extproc.loadshed)
 
 
 @dataclass(frozen=True, slots=True)

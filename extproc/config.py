@@ -227,6 +227,7 @@ class Config:
     max_inflation_ratio: float = 20.0  # decoded / compressed bytes, with content_encoding decode
     deadline_header: str = "x-admission-deadline-ms"
     drain_grace_s: float = 25.0
+    shed_wait_ms: float = 500.0  # 429 at once while bodies wait longer for us (0: never)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     retry_after: RetryAfter = field(default_factory=RetryAfter)
     decision_log: str | None = None  # JSONL of every decision, for extproc replay
@@ -413,6 +414,7 @@ def from_mapping(raw: Any) -> Config:
         deadline_header=r.take(top, "", "deadline_header", str, "x-admission-deadline-ms",
                                lambda v: None if v and v == v.lower() else "must be lower-case"),
         drain_grace_s=r.take(top, "", "drain_grace_s", float, 25.0, _non_negative),
+        shed_wait_ms=r.take(top, "", "shed_wait_ms", float, 500.0, _non_negative),
         ledger=ledger,
         retry_after=retry_after,
         decision_log=r.take(top, "", "decision_log", str, "", _writable_dir) or None,

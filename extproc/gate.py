@@ -372,6 +372,14 @@ class Gate:
         self.metrics.observe(verdict, self.config.mode, 0.0)
         return verdict
 
+    def shed(self, service_class: str, tenant: Tenant | None = None) -> Verdict:
+        """A 429 without a decision: the processor itself is behind (``extproc.server``)."""
+        verdict = Verdict(Outcome.REJECT, Reason.PROCESSOR_OVERLOADED,
+                          service_class=service_class, tenant=tenant,
+                          enforced=self.config.mode is Mode.ENFORCE)
+        self.metrics.observe(verdict, self.config.mode, 0.0)
+        return verdict
+
     def _refuse(self, error: RequestError, pool: str | None, cls: str) -> Verdict:
         reason = {413: Reason.BODY_TOO_LARGE, 415: Reason.UNSUPPORTED_MEDIA}.get(
             error.status, Reason.BAD_REQUEST)

@@ -54,6 +54,11 @@ class Metrics:
             " before), estimated (decided on an estimate, counted exactly off the loop later),"
             " awaited (a close decision waited for the exact count off the loop).",
             ["pool", "how"], registry=self.registry)
+        self.processor_wait = Histogram(
+            "extproc_processor_wait_seconds",
+            "From our answer to a request's headers to its body reaching us: the processor's"
+            " own queueing delay (gRPC and event loop).",
+            buckets=_LATENCY_BUCKETS + (1.0, 2.0), registry=self.registry)
         self.outstanding = Gauge(
             "extproc_outstanding_work_seconds",
             "Estimated GPU work owed to in-flight requests, per pool, at the last decision.",

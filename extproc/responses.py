@@ -33,6 +33,7 @@ _OVERLOAD_MESSAGES = {
     " time-to-first-token objective.",
     Reason.NO_CAPACITY: "The model has no ready replicas.",
     Reason.LEDGER_UNAVAILABLE: "Admission control is unavailable.",
+    Reason.PROCESSOR_OVERLOADED: "The gateway is at capacity.",
 }
 
 

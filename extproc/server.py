@@ -23,6 +23,19 @@ TLS only (``extproc.tls``: clients must present a certificate the configured CA 
 files are re-read when they change). Tenant: read once per stream, from the request headers
 message, only from what Envoy vouches for (``extproc.tenant``), and passed to every verdict.
 
+Shedding: when the processor itself is the bottleneck, its queue is invisible (streams wait in
+gRPC's buffers and the event loop, not in anything we count) and past Envoy's
+``message_timeout`` (2 s) Envoy answers 504 on its own while we go on working for streams it
+gave up on. The wait shows per request, though: from our answer to its headers to its body
+reaching us is one trip through that queue (a fraction of a millisecond when idle). One
+request's wait also holds its client's upload time (a large body on a slow link), so the
+signal is the median of the last ``Backlog.SIZE`` requests' waits: while it is over
+``shed_wait_ms``, bodies get 429 ``processor_overloaded`` (the Retry-After minimum) at once,
+unparsed. A refusal costs a small fraction of a decision, so the queue drains, the waits fall,
+shedding stops, and the answers stay fast. Requests are refused then without asking whether the GPUs
+have room; that is the honest answer (we cannot decide in time). More processor capacity is
+``serve --workers N`` or more gateway replicas. The waits are ``extproc_processor_wait_seconds``.
+
 Drain (SIGTERM): health turns NOT_SERVING at once; new streams are still served (Envoy in the
 same pod is draining too, and refusing them would turn into 5xx), until no stream has been
 open for a second or ``drain_grace_s`` has passed; then the process exits.
@@ -34,6 +47,9 @@ import asyncio
 import logging
 import random
 import signal
+import statistics
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
@@ -88,12 +104,30 @@ def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
             for h in headers.headers.headers}
 
 
+class Backlog:
+    """The median of the last ``size`` waits: the processor's own queueing delay."""
+
+    SIZE = 15
+
+    def __init__(self, shed_wait_s: float, size: int = SIZE) -> None:
+        self.shed_wait_s = shed_wait_s
+        self._waits: deque[float] = deque([0.0] * size, maxlen=size)
+
+    def add(self, wait_s: float) -> None:
+        self._waits.append(wait_s)
+
+    @property
+    def behind(self) -> bool:
+        return 0 < self.shed_wait_s < statistics.median(self._waits)
+
+
 class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, gate: Gate, rng: random.Random | None = None) -> None:
         self.gate = gate
         self.config = gate.config
         self.rng = rng or random.Random()
         self.open_streams = 0
+        self.backlog = Backlog(self.config.shed_wait_ms / 1000.0)
         self.tenants = Tenants(gate.config.tenant)
 
     async def Process(
@@ -106,6 +140,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             headers: Mapping[str, str] = {}
             tenant: Tenant | None = None
+            answered = time.monotonic()  # when we last answered Envoy
             async for message in requests:
                 phase = message.WhichOneof("request")
                 if phase == "request_headers" and not decided:
@@ -114,6 +149,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     answer, verdict = await self._on_headers(message.request_headers, headers,
                                                              tenant=tenant)
                 elif phase == "request_body" and not decided:
+                    waited = time.monotonic() - answered
+                    self.backlog.add(waited)
+                    self.gate.metrics.processor_wait.observe(waited)
                     trace = _trace_context(context) if self.gate.tracing.enabled else {}
                     answer, verdict = await self._on_body(message.request_body, headers,
                                                           trace, tenant=tenant)
@@ -122,6 +160,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if verdict is not None:
                     ticket, decided = verdict.ticket, True
                 yield answer
+                answered = time.monotonic()
                 if answer.HasField("immediate_response"):
                     return
             completed = True  # Envoy closed the stream cleanly: the request finished
@@ -167,6 +206,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         route = self.config.route(path)
         if route is None:
             return responses.continue_body(), None
+        if self.backlog.behind:  # we are the queue: shed, unparsed (module docstring)
+            return self._answer(self.gate.shed(route.service_class, tenant))
         if not message.end_of_stream or len(message.body) > self.config.max_body_bytes:
             return self._answer(self._too_large(route.service_class, tenant))
         body = message.body

@@ -1,14 +1,16 @@
 """Overload honesty: offered 2x and 5x what the processor itself can decide, through a real
 Envoy (fail-closed), every request still gets an honest answer within its deadline and none
-hangs; when the overload ends, prompt decisions come back (how long that takes is printed: the
-processor sheds nothing itself, so it first works through streams Envoy has given up on).
+hangs; when the overload ends, prompt decisions come back (how long that takes is printed).
+While bodies wait for the processor longer than ``shed_wait_ms`` it answers 429
+``processor_overloaded`` unparsed (``extproc.server``); what still waits past Envoy's
+``message_timeout`` gets Envoy's 504.
 
 The processor is made the bottleneck on purpose: prompts of ~2,000 tokens, each different,
 counted exactly with the real Llama 3 tokenizer (a few ms each, on the event loop), while the
 fake backend runs 10x faster than the pool's model says. Its saturation is measured first
 with closed-loop clients, so the test scales with the machine it runs on.
 
-The honest answers: 200 (admitted and served), 429 (refused by admission), the configured
+The honest answers: 200 (admitted and served), 429 (refused by admission or shed), the configured
 ``status_on_error`` 503 (the processor's stream failed) and 504, which Envoy itself answers
 when a message waits past ``message_timeout`` (2 s; Envoy has no setting for that status).
 The worst the processor can add is two such waits (headers, then body): 4 s. The deadline

@@ -1,11 +1,12 @@
 import json
+import time
 from typing import Any
 
 import pytest
 
 from extproc.config import Api
-from extproc.errors import BadRequest
-from extproc.request import parse
+from extproc.errors import BadRequest, UnsupportedMedia
+from extproc.request import check_content_type, parse
 
 
 def body(doc: Any) -> bytes:
@@ -157,3 +158,78 @@ def test_error_messages_never_quote_the_prompt() -> None:
         with pytest.raises(BadRequest) as err:
             parse(Api.OPENAI_CHAT, raw)
         assert canary not in err.value.message
+
+
+@pytest.mark.parametrize("raw, param", [
+    (chat(max_tokens=2**31), "max_tokens"),
+    (b'{"model": "m", "messages": [{"role": "u", "content": "x"}], "n": 1' + b"0" * 400 + b"}",
+     "n"),
+    (body({"model": "m", "prompt": "x", "max_tokens": 10**100}), "max_tokens"),
+])
+def test_counts_beyond_an_int32_are_400(raw: bytes, param: str) -> None:
+    """They used to reach the cost model and overflow its floats (an OverflowError: a 500)."""
+    api = Api.OPENAI_COMPLETIONS if b'"prompt"' in raw else Api.OPENAI_CHAT
+    with pytest.raises(BadRequest) as err:
+        parse(api, raw)
+    assert err.value.param == param
+    assert parse(Api.OPENAI_CHAT, chat(max_tokens=2**31 - 1)).max_tokens == 2**31 - 1
+
+
+@pytest.mark.parametrize("raw, param", [
+    (body({"model": "\ud800", "messages": [{"role": "u", "content": "x"}]}), "model"),
+    (chat(tools=[{"type": "function", "function": {"name": "\udfff"}}]), "tools"),
+    (body({"model": "\ud800", "inputs": "x"}), "model"),
+])
+def test_lone_surrogates_in_the_model_and_tools_are_400(raw: bytes, param: str) -> None:
+    api = Api.TGI_GENERATE if b'"inputs"' in raw else Api.OPENAI_CHAT
+    with pytest.raises(BadRequest) as err:
+        parse(api, raw)
+    assert err.value.param == param and "surrogate" in err.value.message
+
+
+def test_a_body_of_too_many_containers_is_refused_before_it_is_parsed() -> None:
+    raw = b'{"model": "m", "messages": [' + b",".join([b"[]"] * 600_000) + b"]}"
+    started = time.perf_counter()
+    with pytest.raises(BadRequest) as err:
+        parse(Api.OPENAI_CHAT, raw)
+    assert time.perf_counter() - started < 0.1  # parsing it takes ~0.5-1.5 s
+    assert err.value.code == "too_complex"
+    # brackets are counted anywhere, even in strings: 500,000 still pass
+    ok = body({"model": "m", "messages": [{"role": "u", "content": "[" * 499_990}]})
+    assert parse(Api.OPENAI_CHAT, ok).texts == ("[" * 499_990,)
+
+
+def test_100000_content_parts_are_costed_in_linear_time() -> None:
+    def seconds(n: int) -> float:
+        raw = body({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hello"}] * n}]})
+        best = float("inf")
+        for _ in range(2):
+            started = time.perf_counter()
+            assert len(parse(Api.OPENAI_CHAT, raw).texts) == n
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    small, large = seconds(20_000), seconds(100_000)
+    assert large < 2.0
+    assert large / small < 15, (small, large)  # 5x the parts: linear ~5x, quadratic ~25x
+
+
+@pytest.mark.parametrize("value", [
+    None, "", "application/json", "Application/JSON; charset=UTF-8",
+    'application/json; charset="utf-8"', "application/json;charset=utf8",
+    "application/vnd.openai+json", "application/json; boundary=x",
+])
+def test_json_content_types_are_accepted(value: str | None) -> None:
+    check_content_type(value)
+
+
+@pytest.mark.parametrize("value", [
+    "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+    "text/json", "application/jsonx", "json", "application/json; charset=utf-16",
+    "application/json; charset=latin-1", "*/*",
+])
+def test_other_content_types_are_415(value: str) -> None:
+    with pytest.raises(UnsupportedMedia) as err:
+        check_content_type(value)
+    assert err.value.status == 415 and err.value.code == "unsupported_media_type"
