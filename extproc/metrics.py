@@ -58,7 +58,7 @@ class Metrics:
             "extproc_processor_wait_seconds",
             "From our answer to a request's headers to its body reaching us: the processor's"
             " own queueing delay (gRPC and event loop).",
-            buckets=_LATENCY_BUCKETS + (1.0, 2.0), registry=self.registry)
+            buckets=(*_LATENCY_BUCKETS, 1.0, 2.0), registry=self.registry)
         self.outstanding = Gauge(
             "extproc_outstanding_work_seconds",
             "Estimated GPU work owed to in-flight requests, per pool, at the last decision.",
