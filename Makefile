@@ -47,5 +47,18 @@ typecheck: setup
 
 check: lint typecheck test
 
+# Per-request overhead next to its floors, in one run (~5 min; benchmarks/bench.py says how).
+# wrk drives the saturation runs: installed here when missing, as system-packages does.
+# Arguments through BENCH_ARGS, e.g. `make bench BENCH_ARGS="--quick --workers 0"`.
+bench: setup
+	@command -v wrk >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "missing: wrk -- install as root: apt-get install -y wrk"; exit 1; \
+		fi; \
+		echo "installing wrk"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null; }
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache
