@@ -13,10 +13,11 @@ turn pays only for its new message). New text up to ``ESTIMATE_CHARS`` is counte
 loop (about 2.5 ms at the limit). Longer new text (a long prompt never seen: 8,000 tokens take
 ~20 ms to count) is priced by the pool's ``Calibration`` instead, and the decision is taken at
 once when it comes out the same at the estimate's low and high ends (``margin``) on the local
-view of the ledger; only a close decision waits for the exact count, on a thread
-(``encode_batch_fast`` releases the GIL). An admission made on an estimate is counted exactly
-on a thread afterwards, and its ledger entry's charge is set to the exact cost (``adjust``), so
-the ledger ends exact; the calibration learns from every exact count.
+view of the ledger; only a close decision waits for the exact count, on the gate's counting
+thread (``encode_batch_fast`` releases the GIL). An admission made on an estimate is counted
+exactly on that thread afterwards, and its ledger entry's charge is set to the exact cost
+(``adjust``), so the ledger ends exact; the calibration learns from every exact count. One
+thread: on a small machine a pool of tokenizing threads starves the loop that answers Envoy.
 
 The ledger may be shared (Redis) and may fail. A decision's ledger calls (snapshot, then the
 atomic reserve against the decision's ``ceiling_ms``) together get ``decision_deadline_ms``.
@@ -40,6 +41,7 @@ not take is retried by the sweeper (release is idempotent by id), and the lease 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -165,6 +167,7 @@ class Gate:
             p.name: counter_for(p) for p in config.pools
         }
         self._views: dict[str, _View] = {}
+        self._counting = concurrent.futures.ThreadPoolExecutor(1, "extproc-count")
         self._calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
         self.control: Control | None = None  # the autoscaling loop counts what we decide
         self.tracing: Tracing = Tracing(TracingConfig())  # off unless the service sets it
@@ -408,7 +411,8 @@ class Gate:
             self.metrics.prompt_counts.labels(pool.name, "estimated").inc()
             return cost_for(request, pool, known + guess), _Uncounted(missing, chars, known)
         self.metrics.prompt_counts.labels(pool.name, "awaited").inc()
-        tokens = await asyncio.to_thread(counter.count, missing)
+        tokens = await asyncio.get_running_loop().run_in_executor(
+            self._counting, counter.count, missing)
         calibration.learn(chars, tokens)
         return cost_for(request, pool, known + tokens), None
 
@@ -418,7 +422,8 @@ class Gate:
         ledger entry the exact cost. One ledger call: if the ledger does not answer, the
         estimate stays on the entry (the renewer re-records a lost entry at the exact cost)."""
         try:
-            tokens = await asyncio.to_thread(self._counters[pool.name].count, uncounted.texts)
+            tokens = await asyncio.get_running_loop().run_in_executor(
+                self._counting, self._counters[pool.name].count, uncounted.texts)
         except RequestError:  # the text cannot be tokenized: the estimate stands
             return
         self._calibrations[pool.name].learn(uncounted.chars, tokens)
