@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-packages demo test check lint typecheck bench clean
+.PHONY: setup system-packages demo test check lint typecheck bench bench-memory clean
 
 setup: $(STAMP) system-packages
 
@@ -59,6 +59,11 @@ bench: setup
 		export DEBIAN_FRONTEND=noninteractive; \
 		apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null; }
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+	$(PY) benchmarks/counting.py
+
+# Resident memory across a million decisions (~15-30 min on 2 cores; benchmarks/memory.py).
+bench-memory: setup
+	$(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache
