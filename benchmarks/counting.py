@@ -43,9 +43,10 @@ from extproc.ledger.memory import MemoryLedger  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
 from extproc.request import parse  # noqa: E402
 
-WORDS = ("the model should explain how the scheduler batches requests and why a queue forms"
-         " when prompts are long while replicas are still warming up after the morning spike"
-         " so please list the metrics we should watch and the thresholds").split()
+WORDS = ("the", "model", "should", "explain", "how", "the", "scheduler", "batches", "requests",
+         "and", "why", "a", "queue", "forms", "when", "prompts", "are", "long", "while",
+         "replicas", "are", "still", "warming", "up", "after", "the", "morning", "spike", "so",
+         "please", "list", "the", "metrics", "we", "should", "watch", "and", "the", "thresholds")
 
 
 def prose(rng: random.Random, words: int) -> str:

@@ -143,7 +143,7 @@ async def test_scrapes_real_replicas_and_flags_stale(backends: list[tuple[str, P
         try:
             for _ in range(100):
                 busy = await stats.scrape("llama")
-                if busy.total == 3:
+                if (busy.waiting, busy.running) == (2, 1):  # the engine took the first
                     break
                 await asyncio.sleep(0.05)
             # one runs, two wait behind it (max_running 1), all on replica 0
