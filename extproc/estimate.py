@@ -16,7 +16,7 @@ Chat clients resend the whole conversation every turn, so ``TokenizerCounter`` r
 count of every text it has counted (each message's content, each prompt; texts shorter than
 ``CACHE_MIN_CHARS`` are cheaper to count than to look up): a turn pays only for its new
 message. The cache is an LRU of ``cache_entries`` items keyed by ``(length, hash)`` of the
-text, so it holds no prompt text and its memory is bounded (~120 bytes an entry). Python's
+text, so it holds no prompt text and its memory is bounded (~260 bytes an entry). Python's
 string hash is keyed per process, so a client cannot aim a collision; a chance collision of
 two 64-bit hashes of equal-length texts would misprice one request, never fail it.
 
@@ -53,7 +53,7 @@ from extproc.errors import BadRequest
 from extproc.request import InferenceRequest
 
 EXACT_MAX_BYTES = 512 * 1024
-CACHE_ENTRIES = 100_000  # texts whose count is remembered (~12 MB at most)
+CACHE_ENTRIES = 100_000  # texts whose count is remembered (~26 MB at most)
 CACHE_MIN_CHARS = 64  # shorter texts are counted again rather than looked up
 
 
