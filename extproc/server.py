@@ -38,7 +38,8 @@ have room; that is the honest answer (we cannot decide in time). More processor 
 
 Drain (SIGTERM): health turns NOT_SERVING at once; new streams are still served (Envoy in the
 same pod is draining too, and refusing them would turn into 5xx), until no stream has been
-open for a second or ``drain_grace_s`` has passed; then the process exits.
+open for ``DRAIN_IDLE_S`` (and 20 samples in a row, so a stalled event loop, with streams
+waiting to be dispatched, never looks quiet) or ``drain_grace_s`` has passed; then it exits.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 LEDGER_SERVICE = "extproc.ledger"
 LEDGER_PROBE_S = 0.25
+DRAIN_IDLE_S = 2.0
 
 
 def build_ledger(config: Config, metrics: Metrics) -> Ledger:
@@ -391,13 +393,15 @@ class Service:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_grace_s
         idle_since: float | None = None
+        idle_samples = 0  # a stalled loop is one sample, however long it stalled
         while loop.time() < deadline:
             if self.processor.open_streams == 0:
                 idle_since = idle_since or loop.time()
-                if loop.time() - idle_since >= 1.0:
+                idle_samples += 1
+                if loop.time() - idle_since >= DRAIN_IDLE_S and idle_samples >= 20:
                     break
             else:
-                idle_since = None
+                idle_since, idle_samples = None, 0
             await asyncio.sleep(0.1)
         await self.stop()
 
