@@ -18,6 +18,10 @@ thread (``encode_batch_fast`` releases the GIL). An admission made on an estimat
 exactly on that thread afterwards, and its ledger entry's charge is set to the exact cost
 (``adjust``), so the ledger ends exact; the calibration learns from every exact count. One
 thread: on a small machine a pool of tokenizing threads starves the loop that answers Envoy.
+That thread counts ~45 prompts of 8,000 tokens a second; when long cold prompts come faster, at
+most ``MAX_PENDING_COUNTS`` corrections wait for it and the others keep their estimate (the
+calibration has learned from the counted ones), so neither memory nor a close decision's wait
+for the thread grows with the backlog.
 
 The ledger may be shared (Redis) and may fail. A decision's ledger calls (snapshot, then the
 atomic reserve against the decision's ``ceiling_ms``) together get ``decision_deadline_ms``.
@@ -79,6 +83,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ESTIMATE_CHARS = 8 * 1024  # new prompt text longer than this is estimated (docstring)
+MAX_PENDING_COUNTS = 8  # exact counts queued for the counting thread; beyond, estimates stay
 RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking the room
 RECORD_RETRY_S = 1.0  # how soon a renewer retries when the ledger did not answer
 RENEWER_STOP_S = 1.0  # how long a release waits for a cancelled renewal to finish
@@ -168,6 +173,7 @@ class Gate:
         }
         self._views: dict[str, _View] = {}
         self._counting = concurrent.futures.ThreadPoolExecutor(1, "extproc-count")
+        self._pending_counts = 0  # corrections waiting for or running on that thread
         self._calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
         self.control: Control | None = None  # the autoscaling loop counts what we decide
         self.tracing: Tracing = Tracing(TracingConfig())  # off unless the service sets it
@@ -239,7 +245,9 @@ class Gate:
             return self._refuse(exc, pool.name, cls)
         started = time.perf_counter()
         verdict = await self._admit(pool, cls, cost, policy, capacity)
-        if uncounted is not None and verdict.ticket is not None:
+        if (uncounted is not None and verdict.ticket is not None
+                and self._pending_counts < MAX_PENDING_COUNTS):
+            self._pending_counts += 1
             verdict.ticket.correction = asyncio.create_task(
                 self._correct(verdict.ticket, request, pool, uncounted, capacity))
         if self.tracing.enabled:
@@ -426,6 +434,8 @@ class Gate:
                 self._counting, self._counters[pool.name].count, uncounted.texts)
         except RequestError:  # the text cannot be tokenized: the estimate stands
             return
+        finally:
+            self._pending_counts -= 1
         self._calibrations[pool.name].learn(uncounted.chars, tokens)
         if ticket.settled:
             return

@@ -1,6 +1,7 @@
 """Counting prompt tokens fast: the per-text cache, the calibrated estimate for long cold
 prompts, and the exact correction of the ledger afterwards (``extproc.gate`` docstring)."""
 
+import asyncio
 import json
 import random
 from typing import Any
@@ -11,7 +12,7 @@ from extproc import config
 from extproc.admission import charge_ms
 from extproc.capacity import StaticCapacity
 from extproc.estimate import Calibration, TokenizerCounter, cost_for
-from extproc.gate import ESTIMATE_CHARS, Gate
+from extproc.gate import ESTIMATE_CHARS, MAX_PENDING_COUNTS, Gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
 from extproc.request import parse
@@ -146,3 +147,23 @@ async def test_a_close_decision_waits_for_the_exact_count(llama3_tokenizer: str)
     assert verdict.ticket is not None and verdict.ticket.correction is None
     assert verdict.prompt_tokens == tokens + cfg.pools[0].message_overhead_tokens
     await gate.settle(verdict.ticket)
+
+
+async def test_corrections_waiting_for_the_counting_thread_are_bounded(
+        llama3_tokenizer: str) -> None:
+    cfg = settings(tokenizer=llama3_tokenizer, replicas=64)
+    gate = Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), Metrics())
+    route = cfg.route("/v1/chat/completions")
+    assert route is not None
+    rng = random.Random(5)
+    verdicts = [await gate.check(route, "/v1/chat/completions", {}, chat(prose(rng, 3000)))
+                for _ in range(MAX_PENDING_COUNTS + 4)]  # faster than one thread counts
+    corrections = [v.ticket.correction for v in verdicts if v.ticket is not None]
+    assert len(corrections) == MAX_PENDING_COUNTS + 4
+    queued = [c for c in corrections if c is not None]
+    assert len(queued) == MAX_PENDING_COUNTS  # the rest keep their estimate
+    await asyncio.gather(*queued)
+    assert gate._pending_counts == 0
+    for v in verdicts:
+        assert v.ticket is not None
+        await gate.settle(v.ticket)
