@@ -47,7 +47,7 @@ typecheck: setup
 
 check: lint typecheck test
 
-# Per-request overhead next to its floors, in one run (~5 min; benchmarks/bench.py says how).
+# Per-request overhead next to its floors, in one run (~8 min; benchmarks/bench.py says how).
 # wrk drives the saturation runs: installed here when missing, as system-packages does.
 # Arguments through BENCH_ARGS, e.g. `make bench BENCH_ARGS="--quick --workers 0"`.
 bench: setup
