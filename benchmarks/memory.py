@@ -106,7 +106,7 @@ async def run(requests: int, every: int, concurrency: int, log_dir: str,
         if (i + 1) % every == 0:
             samples.append({"requests": i + 1, "rss_mib": round(rss_mib(), 2),
                             "seconds": round(time.perf_counter() - started, 1),
-                            "cache_entries": len(counter._cache)})
+                            "cache_entries": counter.cache_size})
             print(f"{i + 1:>9,} requests  {samples[-1]['seconds']:>7.1f} s  RSS"
                   f" {samples[-1]['rss_mib']:8.2f} MiB  token cache"
                   f" {samples[-1]['cache_entries']:,}", flush=True)

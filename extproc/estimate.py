@@ -15,8 +15,12 @@ tokenize on one core, while any real context window ends near 512 KiB).
 Chat clients resend the whole conversation every turn, so ``TokenizerCounter`` remembers the
 count of every text it has counted (each message's content, each prompt; texts shorter than
 ``CACHE_MIN_CHARS`` are cheaper to count than to look up): a turn pays only for its new
-message. The cache is an LRU of ``cache_entries`` items keyed by ``(length, hash)`` of the
-text, so it holds no prompt text and its memory is bounded (~260 bytes an entry). Python's
+message. The cache is two generations of at most ``cache_entries / 2`` items each: new counts
+and hits go into the young one; when it is full it becomes the old one and the old one is
+dropped. A text used in the current or the previous generation is remembered (an approximate
+LRU without per-entry bookkeeping; an ``OrderedDict`` LRU under the same churn settled at
+twice the memory, and later). Keys are ``(length, hash)`` of the text, so it holds no prompt
+text and its memory is bounded (~180 bytes an entry). Python's
 string hash is keyed per process, so a client cannot aim a collision; a chance collision of
 two 64-bit hashes of equal-length texts would misprice one request, never fail it.
 
@@ -42,7 +46,6 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,7 +56,7 @@ from extproc.errors import BadRequest
 from extproc.request import InferenceRequest
 
 EXACT_MAX_BYTES = 512 * 1024
-CACHE_ENTRIES = 100_000  # texts whose count is remembered (~26 MB at most)
+CACHE_ENTRIES = 100_000  # texts whose count is remembered (~18 MB at most)
 CACHE_MIN_CHARS = 64  # shorter texts are counted again rather than looked up
 
 
@@ -94,21 +97,36 @@ class TokenizerCounter:
         self._fallback = ByteCounter(bytes_per_token)
         self.exact_max_bytes = exact_max_bytes
         self.cache_entries = cache_entries
-        self._cache: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._young: dict[tuple[int, int], int] = {}
+        self._old: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
+
+    @property
+    def cache_size(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def _remember(self, key: tuple[int, int], tokens: int) -> None:
+        """Into the young generation; a full one becomes the old one (hold the lock)."""
+        self._young[key] = tokens
+        if len(self._young) >= max(1, self.cache_entries // 2):
+            self._old, self._young = self._young, {}
 
     def cached(self, texts: Sequence[str]) -> tuple[int, list[str]]:
         """``(tokens of the texts counted before, the texts not counted yet)``."""
         known, missing = 0, []
         with self._lock:
             for text in texts:
+                if len(text) < CACHE_MIN_CHARS:
+                    missing.append(text)
+                    continue
                 key = (len(text), hash(text))
-                hit = self._cache.get(key) if len(text) >= CACHE_MIN_CHARS else None
+                hit = self._young.get(key)
+                if hit is None and (hit := self._old.get(key)) is not None:
+                    self._remember(key, hit)  # used again: it lives another generation
                 if hit is None:
                     missing.append(text)
                 else:
                     known += hit
-                    self._cache.move_to_end(key)
         return known, missing
 
     def count(self, texts: Sequence[str]) -> int:
@@ -125,9 +143,7 @@ class TokenizerCounter:
         with self._lock:
             for text, n in zip(missing, counts, strict=True):
                 if len(text) >= CACHE_MIN_CHARS:
-                    self._cache[(len(text), hash(text))] = n
-            while len(self._cache) > self.cache_entries:
-                self._cache.popitem(last=False)
+                    self._remember((len(text), hash(text)), n)
         return known + sum(counts)
 
 

@@ -57,20 +57,21 @@ def test_a_chat_turn_tokenizes_only_its_new_message(llama3_tokenizer: str) -> No
         assert total == TokenizerCounter(llama3_tokenizer).count(history)  # exact, cold
 
 
-def test_the_cache_is_bounded_least_recently_used_and_holds_no_text(
+def test_the_cache_is_bounded_keeps_what_is_used_and_holds_no_text(
         llama3_tokenizer: str) -> None:
-    spy = Spy(llama3_tokenizer, cache_entries=3)
-    texts = [f"document number {i} " + "lorem ipsum dolor sit amet " * 4 for i in range(5)]
-    for text in texts:
-        spy.count([text])
-    spy.count([texts[2]])  # recently used: kept
+    spy = Spy(llama3_tokenizer, cache_entries=4)  # two generations of two
+    texts = [f"document number {i} " + "lorem ipsum dolor sit amet " * 4 for i in range(3)]
+    spy.count(texts[:2])  # the young generation is full: it becomes the old one
+    spy.count([texts[2]])
+    spy.count([texts[0]])  # used again: into the young one, which is full again
     spy.tokenized.clear()
-    spy.count([texts[2], texts[3], texts[4]])
+    spy.count([texts[0], texts[2]])
     assert spy.tokenized == []
-    spy.count([texts[0]])  # evicted long ago: tokenized again
-    assert spy.tokenized == [len(texts[0])]
-    assert len(spy._cache) == 3
-    assert all(isinstance(k, tuple) and all(isinstance(x, int) for x in k) for k in spy._cache)
+    spy.count([texts[1]])  # not used for a generation: dropped, tokenized again
+    assert spy.tokenized == [len(texts[1])]
+    assert spy.cache_size <= 4
+    keys = [*spy._young, *spy._old]
+    assert all(isinstance(k, tuple) and all(isinstance(x, int) for x in k) for k in keys)
 
 
 def test_short_texts_are_not_cached(counter: TokenizerCounter) -> None:
