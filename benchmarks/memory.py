@@ -14,7 +14,8 @@ requests are in flight (settled in arrival order) so the ledger holds entries th
 is read from ``/proc/self/statm`` every ``--every`` requests.
 
 Pass: RSS at the end within ``--tolerance`` (default 5%) of RSS after the warm-up
-(``--warmup`` requests, default 10% of the run: "after the first minute").
+(``--warmup`` requests, default 10% of the run: with a million, about the first two minutes on
+two cores, by when the token cache is full).
 
 Usage::
 

@@ -5,9 +5,8 @@ It answers every phase Envoy sends with "continue" and decides nothing. Everythi
 
 - the same stack: ``grpc.aio`` on uvloop, the servicer generated in ``xds-protos``, one
   async-generator ``Process`` per stream reading ``async for message in requests``;
-- the same server options as ``extproc.server.Service`` (no ``SO_REUSEPORT``, a receive limit
-  of twice the body cap plus 1 MiB);
-- a fresh response message per phase, as the real servicer builds them.
+- the same server options (``extproc.server.server_options``) and the same "continue"
+  answers (``extproc.responses.continue_phase``).
 
 Envoy is configured exactly as for ``extproc serve`` (``extproc.envoyconf``: request headers
 sent, request body BUFFERED_PARTIAL, every response phase skipped), so each request costs the
@@ -29,22 +28,10 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.responses import continue_phase
+from extproc.server import server_options
+
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # extproc.config's default max_body_bytes
-
-
-def answer(phase: str | None) -> pb.ProcessingResponse:
-    """"Continue" for the phase the message carried."""
-    if phase == "request_headers":
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-    if phase == "request_body":
-        return pb.ProcessingResponse(request_body=pb.BodyResponse())
-    if phase == "request_trailers":
-        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-    if phase == "response_headers":
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-    if phase == "response_body":
-        return pb.ProcessingResponse(response_body=pb.BodyResponse())
-    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 class NoopProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -52,15 +39,12 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in requests:
-            yield answer(message.WhichOneof("request"))
+            yield continue_phase(message.WhichOneof("request"))
 
 
 async def serve(listen: str, max_body_bytes: int) -> None:
     """Serve until SIGTERM or SIGINT."""
-    server = grpc.aio.server(options=[
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", 2 * max_body_bytes + 1024 * 1024),
-    ])
+    server = grpc.aio.server(options=server_options(max_body_bytes))
     pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(), server)
     if not server.add_insecure_port(listen):
         raise SystemExit(f"cannot listen on {listen}")

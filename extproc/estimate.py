@@ -194,10 +194,6 @@ def counter_for(pool: Pool) -> TokenCounter:
     return ByteCounter(pool.bytes_per_token)
 
 
-def prompt_chars(request: InferenceRequest) -> int:
-    return sum(len(t) for t in request.texts)
-
-
 class OutputPredictor(Protocol):
     def predict(self, prompt_tokens: int, charged: int) -> tuple[float | None, float | None]:
         """``(expected, long)`` output tokens; ``None`` where there is no prediction."""

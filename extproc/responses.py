@@ -49,6 +49,21 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     ).encode()
 
 
+def continue_phase(phase: str | None) -> pb.ProcessingResponse:
+    """Continue, for the phase a message carried (``WhichOneof("request")``)."""
+    if phase == "request_headers":
+        return continue_headers()
+    if phase == "request_body":
+        return continue_body()
+    if phase == "response_headers":
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    if phase == "response_body":
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+    if phase == "request_trailers":
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
 def continue_headers() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 

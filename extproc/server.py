@@ -158,7 +158,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     answer, verdict = await self._on_body(message.request_body, headers,
                                                           trace, tenant=tenant)
                 else:
-                    answer, verdict = _continue(phase), None
+                    # a phase we did not ask for, or a request phase repeated after the
+                    # decision: continue, so a misconfigured Envoy never hangs a request
+                    answer, verdict = responses.continue_phase(phase), None
                 if verdict is not None:
                     ticket, decided = verdict.ticket, True
                 yield answer
@@ -255,20 +257,14 @@ def _declared_length(value: str) -> int:
     return int(value) if len(value) <= 18 else 10**18
 
 
-def _continue(phase: str | None) -> pb.ProcessingResponse:
-    """Answer a phase we did not ask for (or a request phase repeated after the decision),
-    so a misconfigured Envoy never hangs a request."""
-    if phase == "request_headers":
-        return responses.continue_headers()
-    if phase == "request_body":
-        return responses.continue_body()
-    if phase == "response_headers":
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-    if phase == "response_body":
-        return pb.ProcessingResponse(response_body=pb.BodyResponse())
-    if phase == "request_trailers":
-        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+def server_options(max_body_bytes: int) -> list[tuple[str, int]]:
+    """The gRPC server's options (also the no-op processor's in ``benchmarks/``).
+
+    The body arrives in one message. Envoy cuts an oversize body only after its buffer passed
+    the limit, so the message can overshoot by about one read batch (bounded by the same
+    limit): allow twice the cap, then answer 413 ourselves."""
+    return [("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 2 * max_body_bytes + 1024 * 1024)]
 
 
 class Service:
@@ -293,14 +289,7 @@ class Service:
         self.tls = (ServerCertificates(config.tls, on_reload=self.metrics.tls_reload)
                     if config.tls is not None else None)
         self.health = health.aio.HealthServicer()
-        # The body arrives in one message. Envoy cuts an oversize body only after its buffer
-        # passed the limit, so the message can overshoot by about one read batch (bounded by
-        # the same limit): allow twice the cap, then answer 413 ourselves.
-        limit = 2 * config.max_body_bytes + 1024 * 1024
-        self.server = grpc.aio.server(options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", limit),
-        ])
+        self.server = grpc.aio.server(options=server_options(config.max_body_bytes))
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.grpc_port = 0
