@@ -13,7 +13,9 @@ output-length prediction (``extproc.estimate``) the model tells two lengths apar
     prefill      = prompt x prefill_per_token
     gpu          = prefill + o x itl(B) / B           its GPU time in a full batch: ledger charge
     mean       g = outstanding / inflight             (gpu itself when nothing is in flight)
-    share        = 1 - o x itl(B) / (B x g)           prefill's share of a busy replica's time,
+    fleet      f = expected_output (output if none)   the pool's mean output, not clipped by
+                                                      this request's own max_tokens
+    share        = 1 - f x itl(B) / (B x g)           prefill's share of a busy replica's time,
                                                       kept in [0, 0.9]
     batch      b = min(B, (inflight + 1) / R)         mean running sequences per replica
     step(b)      = itl(b) / (1 - share x b / B)       a decode step, stretched by the prefills
@@ -39,7 +41,9 @@ flight is charged at its expected size, so the wait depends on when slots free, 
 ``max_tokens`` summed over the backlog. And while sequences join, every step also runs their
 prefill: ``share`` of a busy replica's time goes to prefill (the ledger's mean charge less its
 decode part), which stretches every decode step by ``1 / (1 - share)`` at a full batch, less
-at a smaller one.
+at a smaller one. The share is the fleet's, so its decode part is the pool's mean output
+``f``, never this request's own length: a request told it will be long (or one with a small
+``max_tokens``) would otherwise read the busy fleet's prefill share as none (or as most).
 
 Why two lengths: the *fleet* is charged what requests will probably cost (charging
 ``max_tokens`` in full makes a busy fleet look several times busier than it is and turns
@@ -117,6 +121,13 @@ class Cost:
         return self.output_tokens if expected is None else min(self.output_tokens, expected)
 
     @property
+    def fleet_tokens(self) -> float:
+        """What a request of the pool generates on average (the prediction, unclipped by this
+        request's own ``max_tokens``): the decode part of the fleet's mean charge."""
+        expected = self.expected_output_tokens
+        return self.output_tokens if expected is None else expected
+
+    @property
     def long_tokens(self) -> float:
         """``O``: what it generates at worst, bar the predictor's tail, never above the charge."""
         long = self.long_output_tokens
@@ -140,7 +151,7 @@ class Capacity:
     prefill_ms_per_token: float
     itl_ms_at_1: float
     itl_ms_per_running: float
-    wait_quantile: float = 0.98  # how sure the predicted wait must be (see the docstring)
+    wait_quantile: float = 0.97  # how sure the predicted wait must be (see the docstring)
     wait_z: float = field(init=False, repr=False, compare=False)  # its normal quantile
 
     def __post_init__(self) -> None:
@@ -227,7 +238,9 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
                         retry_after_ms=policy.budget_ms)
 
     mean_ms = snapshot.outstanding_ms / snapshot.inflight if snapshot.inflight else gpu_ms
-    share = min(MAX_PREFILL_SHARE, max(0.0, 1.0 - decode_ms / mean_ms)) if mean_ms > 0 else 0.0
+    fleet_decode_ms = cost.fleet_tokens * capacity.itl_ms(full) / full
+    share = (min(MAX_PREFILL_SHARE, max(0.0, 1.0 - fleet_decode_ms / mean_ms))
+             if mean_ms > 0 else 0.0)
     batch = min(float(full), (snapshot.inflight + 1) / capacity.replicas)
     step_ms = capacity.itl_ms(batch) / (1.0 - share * batch / full)
     position = snapshot.inflight + 1 - capacity.slots

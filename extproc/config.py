@@ -90,7 +90,7 @@ class Pool:
     expected_output_tokens: float | None = None
     long_output_tokens: float | None = None
     # How sure a predicted queue wait must be: its quantile (admission's docstring).
-    wait_quantile: float = 0.98
+    wait_quantile: float = 0.97
 
     def serves(self, model: str) -> bool:
         return model in self.models or "*" in self.models

@@ -32,7 +32,10 @@ def spec(cost: Cost, snap: Snapshot, cap: Capacity) -> dict[str, float]:
     prefill = cost.prompt_tokens * cap.prefill_ms_per_token
     gpu = prefill + o * cap.itl_ms(b_full) / b_full
     g = snap.outstanding_ms / snap.inflight if snap.inflight else gpu
-    share = min(0.9, max(0.0, 1 - o * cap.itl_ms(b_full) / (b_full * g))) if g > 0 else 0.0
+    # the fleet's mean decode: the prediction, not this request's own clipped length
+    fleet = cost.output_tokens if cost.expected_output_tokens is None \
+        else cost.expected_output_tokens
+    share = min(0.9, max(0.0, 1 - fleet * cap.itl_ms(b_full) / (b_full * g))) if g > 0 else 0.0
     b = min(b_full, (snap.inflight + 1) / cap.replicas)
     step = cap.itl_ms(b) / (1 - share * b / b_full)
     p = snap.inflight + 1 - cap.slots

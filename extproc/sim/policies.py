@@ -11,7 +11,7 @@
   TTFT check).
 - ``default``: the product: ``extproc.admission.decide`` itself, fed what the gateway knows.
 - ``oracle``: clairvoyant about lengths: the same ``decide`` told each request's true output
-  length instead of a prediction. Its goodput bounds what a better output-length predictor
+  length as its long length (what it promises) instead of a prediction. Its goodput bounds what a better output-length predictor
   could buy the default; the default's gap to it is what not knowing lengths costs.
 
 ``none``, ``default`` and ``oracle`` run the production ``decide``; ``naive`` and ``article``
@@ -56,16 +56,20 @@ def NoAdmission() -> Default:
 
 @dataclass(frozen=True)
 class Oracle:
-    """``decide`` told each request's true output length (as its typical and its long
-    length, for its cost and its ledger charge): what the default would do with a perfect
-    output-length predictor. The gap to it is what predicting lengths costs."""
+    """``decide`` told each request's true output length as its long length, the length its
+    own completion is promised on: what the default would do with a perfect output-length
+    predictor. Its ledger charge stays the pool's mean output, like the default's (the sum
+    over the fleet is the same either way, and the fleet's prefill share is read from the
+    mean), so the two differ only in what they promise. The gap to it is what predicting
+    lengths costs."""
 
     name: str = "oracle"
     enforce: bool = True
 
     def decide(self, cost: Cost, true_output: int, snapshot: Snapshot, capacity: Capacity,
                policy: Policy, now: float) -> Decision:
-        told = Cost(cost.prompt_tokens, cost.output_tokens, expected_output_tokens=true_output,
+        told = Cost(cost.prompt_tokens, cost.output_tokens,
+                    expected_output_tokens=cost.expected_output_tokens,
                     long_output_tokens=true_output)
         return decide(told, snapshot, capacity, policy, now)
 
