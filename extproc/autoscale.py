@@ -151,7 +151,7 @@ class ScalingPolicy:
     stall_fraction: float = 0.05  # departures under this share of expected: stalled
     stall_min_expected: float = 5.0  # fewer expected departures per window prove nothing
     # scale down
-    down_quiet_s: float = 600.0  # the note: 10 minutes quiet before removing one replica
+    down_quiet_s: float = 300.0  # quiet this long before removing one replica (HPA's 5 min)
     quiet_age_fraction: float = 0.2  # quiet: oldest age under 20 % of its threshold
     utilization_high: float = 0.75  # utilization (or KV usage) counted as high
     down_headroom: float = 0.8  # remaining replicas must carry arrivals at <= 80 % of rate

@@ -4,14 +4,13 @@ of issue 5, on seeded deterministic runs with admission on (the default policy):
 (a) it changes direction at most once per cooldown period;
 (b) under 1% of eligible (admitted) attempts breach the queue-age objective outside the first
     minutes of each burst;
-(c) at equal or better goodput than the HPA-on-GPU-utilization baseline. The replica-minute
-    half of the rule, fewer replica-minutes, does not hold: on the incident the recommender
-    now asks what the baseline asks (3 -> 4, no overshoot) and scales back down, but 45 s
-    later (258.5 against 257.7 replica-minutes); on the trace the baseline never scales and
-    the floor (``min_replicas``) is the initial fleet, so its replica-minutes are the least
-    any autoscaler can use there, and the recommender buys 7 % more goodput with replicas.
-    Those figures are guarded as upper bounds (``REPLICA_MIN_BOUND``); see
-    docs/autoscaling.md, "Validation in the simulator".
+(c) fewer replica-minutes than the HPA-on-GPU-utilization baseline at equal or better
+    goodput. It holds on the incident (253.5 against 257.7 replica-minutes, the same
+    goodput: the same step up, and one replica back 4 minutes sooner). On the trace it does
+    not (a strict xfail): the baseline never scales and the floor (``min_replicas``) is the
+    initial fleet, so its replica-minutes are the least any autoscaler can use there, and
+    the recommender buys 7 % more goodput with replicas; that figure is guarded as an upper
+    bound (``REPLICA_MIN_BOUND``). See docs/autoscaling.md, "Validation in the simulator".
 
 Two workloads, each run with both autoscalers (four runs over two processes, ~15 s):
 
@@ -56,9 +55,9 @@ AUTOSCALERS = ("hpa", "recommender")
 POLICY = ScalingPolicy()
 BURST_GRACE_S = 180.0  # the burst's first 3 minutes
 INCIDENT_SPIKE_S = 360.0  # 08:01, where scenarios.incident_rate starts the spike
-# Replica-minutes over the baseline's, the measured ratio rounded up (1.003 and 1.66): a guard
-# against the overshoot and the missing scale-down coming back, not rule (c).
-REPLICA_MIN_BOUND = {"incident": 1.01, "code": 1.7}
+# Replica-minutes over the baseline's on the trace, the measured ratio rounded up (1.66): a
+# guard against an overshoot coming back where rule (c) cannot hold.
+REPLICA_MIN_BOUND = 1.7
 
 
 def scenario(key: str, autoscaler: str) -> Scenario:
@@ -194,11 +193,21 @@ def test_c_goodput_at_least_the_hpa_baseline(runs: dict[str, dict[str, Run]], ke
     assert rec.goodput >= hpa.goodput
 
 
-@pytest.mark.parametrize("key", KEYS)
-def test_c_replica_minutes_stay_near_the_baseline(runs: dict[str, dict[str, Run]],
-                                                  key: str) -> None:
+@pytest.mark.parametrize("key", [
+    "incident",
+    pytest.param("code", marks=pytest.mark.xfail(
+        strict=True, reason="the baseline never leaves the floor (the initial fleet), the least"
+        " any autoscaler can use; the recommender buys 7% more goodput with replicas")),
+])
+def test_c_fewer_replica_minutes_than_the_baseline(runs: dict[str, dict[str, Run]],
+                                                   key: str) -> None:
     rec, hpa = runs[key]["recommender"], runs[key]["hpa"]
-    assert rec.replica_min <= REPLICA_MIN_BOUND[key] * hpa.replica_min
+    assert rec.replica_min < hpa.replica_min
+
+
+def test_c_on_the_trace_replica_minutes_stay_bounded(runs: dict[str, dict[str, Run]]) -> None:
+    rec, hpa = runs["code"]["recommender"], runs["code"]["hpa"]
+    assert rec.replica_min <= REPLICA_MIN_BOUND * hpa.replica_min
 
 
 def test_c_the_incident_spike_is_not_overshot_and_the_pool_scales_back_down(
