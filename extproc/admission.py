@@ -226,8 +226,7 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     idle_ms = prefill_ms + long * capacity.itl_ms(1.0)
     ttft_budget = policy.ttft_budget_ms
     full = capacity.max_running
-    decode_ms = cost.typical_tokens * capacity.itl_ms(full) / full
-    gpu_ms = charge_ms(cost, capacity)  # prefill_ms + decode_ms
+    gpu_ms = charge_ms(cost, capacity)  # prefill + typical decode
     if idle_ms > policy.budget_ms or (ttft_budget is not None and prefill_ms > ttft_budget):
         return Decision(Outcome.PASS, Reason.INFEASIBLE, gpu_ms, 0.0, prefill_ms, idle_ms,
                         policy.budget_ms, now + idle_ms / 1000.0)

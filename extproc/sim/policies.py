@@ -11,8 +11,9 @@
   TTFT check).
 - ``default``: the product: ``extproc.admission.decide`` itself, fed what the gateway knows.
 - ``oracle``: clairvoyant about lengths: the same ``decide`` told each request's true output
-  length as its long length (what it promises) instead of a prediction. Its goodput bounds what a better output-length predictor
-  could buy the default; the default's gap to it is what not knowing lengths costs.
+  length as its long length (what it promises) instead of a prediction. Its goodput bounds
+  what a better output-length predictor could buy the default; the default's gap to it is
+  what not knowing lengths costs.
 
 ``none``, ``default`` and ``oracle`` run the production ``decide``; ``naive`` and ``article``
 are baselines that exist only here.
