@@ -69,6 +69,21 @@ class Route:
 
 
 @dataclass(frozen=True)
+class EngineMetricsConfig:
+    """Scraping a pool's engines for their own queues (``extproc.enginestats``): a correction
+    to the ledger's view that only ever tightens admission, and never while stale."""
+
+    # HOST:PORT or http(s):// base URLs; None: the capacity source's ready hosts
+    targets: tuple[str, ...] | None = None
+    interval_s: float = 2.0  # between the end of one scrape round and the next
+    timeout_s: float = 0.5  # per replica
+    max_age_s: float = 5.0  # a replica's last sample counts this long
+    min_coverage: float = 0.5  # fresh / targets below this: stale, no correction
+    tolerance: float = 0.25  # engines may hold this much more than the ledger ...
+    slack: int = 2  # ... plus this many requests, before it counts as unseen work
+
+
+@dataclass(frozen=True)
 class Pool:
     """Replicas serving one model, and the coefficients of their cost model."""
 
@@ -91,6 +106,7 @@ class Pool:
     long_output_tokens: float | None = None
     # How sure a predicted queue wait must be: its quantile (admission's docstring).
     wait_quantile: float = 0.97
+    engine_metrics: EngineMetricsConfig | None = None  # None: the ledger's view alone
 
     def serves(self, model: str) -> bool:
         return model in self.models or "*" in self.models
@@ -598,6 +614,11 @@ def _capacity(r: _Reader, raw: Any, pools: tuple[Pool, ...]) -> CapacityConfig:
         for pool in pools:
             if pool.name not in out.services:
                 r.problems.append(f"{p}services: pool {pool.name!r} needs its Service")
+    for i, pool in enumerate(pools):
+        if (out.source == "static" and pool.engine_metrics is not None
+                and pool.engine_metrics.targets is None):
+            r.problems.append(f"pools[{i}].engine_metrics.targets: a list is required with"
+                              f" capacity.source 'static' (it discovers no hosts)")
     return out
 
 
@@ -708,6 +729,8 @@ def _pools(r: _Reader, raw: Any) -> tuple[Pool, ...]:
             non_text_part_tokens=r.take(body, p, "non_text_part_tokens", int,
                                         d.non_text_part_tokens, _non_negative),
             **_output_lengths(r, body, p),
+            engine_metrics=_engine_metrics(r, body.pop("engine_metrics", None),
+                                           f"{p}engine_metrics."),
         ))
         r.leftovers(body, p)
     names = [p.name for p in pools]
@@ -728,6 +751,61 @@ def _output_lengths(r: _Reader, body: dict[str, Any], p: str) -> dict[str, Any]:
                       lambda v: None if 0.5 <= v < 1 else "must be in [0.5, 1)")
     return {"expected_output_tokens": expected, "long_output_tokens": long,
             "wait_quantile": quantile}
+
+
+FROM_CAPACITY = "from_capacity"
+
+
+def _engine_metrics(r: _Reader, raw: Any, p: str) -> EngineMetricsConfig | None:
+    """A pool's ``engine_metrics`` section (absent or null: off). ``targets`` is a list of
+    replicas, or ``from_capacity`` (the default): the hosts the capacity source discovers,
+    checked against ``capacity.source`` in ``_capacity``."""
+    body = r.section(raw, p.rstrip("."))
+    if not isinstance(raw, Mapping):
+        return None  # absent, or refused by ``section``
+    d = EngineMetricsConfig()
+    targets = _targets(r, body.pop("targets", FROM_CAPACITY), f"{p}targets")
+    interval = r.take(body, p, "interval_s", float, d.interval_s, _positive)
+    timeout = r.take(body, p, "timeout_s", float, d.timeout_s, _positive)
+    # A sample must outlive the next round (which may take the whole timeout), or the pool
+    # would go stale between two good scrapes.
+    max_age = r.take(body, p, "max_age_s", float, d.max_age_s,
+                     lambda v: None if v >= interval + timeout else
+                     f"must be >= interval_s + timeout_s ({interval + timeout:g})")
+    config = EngineMetricsConfig(
+        targets=targets, interval_s=interval, timeout_s=timeout, max_age_s=max_age,
+        min_coverage=r.take(body, p, "min_coverage", float, d.min_coverage, _fraction),
+        tolerance=r.take(body, p, "tolerance", float, d.tolerance, _non_negative),
+        slack=r.take(body, p, "slack", int, d.slack, _non_negative),
+    )
+    r.leftovers(body, p)
+    return config
+
+
+def _targets(r: _Reader, value: Any, key: str) -> tuple[str, ...] | None:
+    """``from_capacity`` (None), or a non-empty list of distinct HOST:PORT or base URLs."""
+    if value == FROM_CAPACITY:
+        return None
+    if not (isinstance(value, list) and value):
+        r.problems.append(f"{key}: must be a non-empty list of HOST:PORT or http(s):// URLs,"
+                          f" or {FROM_CAPACITY!r} (got {value!r})")
+        return ()
+    for i, item in enumerate(value):
+        if not (isinstance(item, str) and _is_target(item)):
+            r.problems.append(f"{key}[{i}]: must be HOST:PORT or an http(s):// URL"
+                              f" (got {item!r})")
+    names = [t for t in value if isinstance(t, str)]
+    for dup in sorted({t for t in names if names.count(t) > 1}):
+        r.problems.append(f"{key}: duplicate target {dup!r} (it would be counted twice)")
+    return tuple(names)
+
+
+def _is_target(v: str) -> bool:
+    scheme, sep, rest = v.partition("://")
+    if sep:
+        return scheme in ("http", "https") and bool(rest)
+    host, _, port = v.rpartition(":")
+    return bool(host) and port.isdigit()
 
 
 MAX_KNOWN_TENANTS = 100  # each known tenant is a metric label value: keep the set bounded

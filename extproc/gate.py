@@ -23,6 +23,13 @@ most ``MAX_PENDING_COUNTS`` corrections wait for it and the others keep their es
 calibration has learned from the counted ones), so neither memory nor a close decision's wait
 for the thread grows with the backlog.
 
+Engine signals. For a pool with ``engine_metrics``, what ``decide`` sees is the ledger's
+snapshot plus the work the engines report that the ledger does not know about (traffic that
+bypassed this gateway, other gateways' in-process ledgers): ``extproc.enginestats`` has the
+formula. The engines' view is read once per decision (``EngineStats.latest``, a walk over the
+pool's last samples); a stale one adds nothing. The ledger and the local view stay
+uncorrected: the correction changes what is decided, never what is recorded.
+
 The ledger may be shared (Redis) and may fail. A decision's ledger calls (snapshot, then the
 atomic reserve against the decision's ``ceiling_ms``) together get ``decision_deadline_ms``.
 If another gateway took the room between our snapshot and our reserve, the ledger refuses and
@@ -69,6 +76,7 @@ from extproc.admission import (
 )
 from extproc.capacity import CapacitySource
 from extproc.config import Config, Infeasible, Mode, OnUnavailable, Pool, Route, TracingConfig
+from extproc.enginestats import Correction, EngineStats, PoolStats, correction
 from extproc.errors import BadRequest, LedgerUnavailable, RequestError
 from extproc.estimate import Calibration, TokenCounter, cost_for, counter_for
 from extproc.ledger import Entry, Ledger
@@ -88,6 +96,7 @@ RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking th
 RECORD_RETRY_S = 1.0  # how soon a renewer retries when the ledger did not answer
 RENEWER_STOP_S = 1.0  # how long a release waits for a cancelled renewal to finish
 MAX_DEFERRED_RELEASES = 100_000  # beyond this, a lost release is left to its lease
+NO_CORRECTION = Correction()
 
 T = TypeVar("T")
 
@@ -161,9 +170,11 @@ class Gate:
         metrics: Metrics,
         *,
         counters: Mapping[str, TokenCounter] | None = None,
+        engines: Mapping[str, EngineStats] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.engines = dict(engines or {})  # pool name -> its engines' scraper (started elsewhere)
         self.ledger = ledger
         self.capacity = capacity
         self.metrics = metrics
@@ -239,12 +250,14 @@ class Gate:
         if pool is None:
             return Verdict(Outcome.PASS, Reason.UNMANAGED, service_class=cls)
         capacity = self.capacity.capacity(pool.name)
+        stats = self.engines.get(pool.name)
+        engines = stats.latest(pool.name) if stats is not None else None  # once per decision
         try:
-            cost, uncounted = await self._cost(request, pool, policy, capacity)
+            cost, uncounted = await self._cost(request, pool, policy, capacity, engines)
         except RequestError as exc:
             return self._refuse(exc, pool.name, cls)
         started = time.perf_counter()
-        verdict = await self._admit(pool, cls, cost, policy, capacity)
+        verdict = await self._admit(pool, cls, cost, policy, capacity, engines)
         if (uncounted is not None and verdict.ticket is not None
                 and self._pending_counts < MAX_PENDING_COUNTS):
             self._pending_counts += 1
@@ -279,7 +292,7 @@ class Gate:
             self.decision_log.write(record)
 
     async def _admit(self, pool: Pool, cls: str, cost: Cost, policy: Policy,
-                     capacity: Capacity) -> Verdict:
+                     capacity: Capacity, engines: PoolStats | None = None) -> Verdict:
         """Decide on the ledger's snapshot and record atomically, within the deadline; apply
         the fault policy when the ledger does not answer (module docstring)."""
         request_id = uuid.uuid4().hex
@@ -292,8 +305,9 @@ class Gate:
                     self._ledger_back()
                     self.metrics.outstanding.labels(pool.name).set(
                         snapshot.outstanding_ms / 1000.0)
+                    seen, fix = self._corrected(pool, snapshot, engines, cost, capacity)
                     verdict = self._verdict(
-                        decide(cost, snapshot, capacity, policy, now=self._clock()),
+                        decide(cost, seen, capacity, policy, now=self._clock()),
                         pool.name, cls, cost)
                     if verdict.blocks:
                         return verdict
@@ -301,6 +315,11 @@ class Gate:
                     # Shadow mode and infeasible-but-passed requests run whatever the ledger
                     # holds: they are recorded without a ceiling.
                     ceiling = verdict.decision.ceiling_ms if verdict.decision else None
+                    if ceiling is not None:
+                        # decide's ceiling holds the correction's work; the ledger checks it
+                        # against its own sum, which never does: left in, other gateways'
+                        # admissions since the snapshot would get that much more room.
+                        ceiling -= fix.extra_ms
                     sent = True
                     if await self._ledger("reserve", self.ledger.reserve(
                             entry, ceiling if verdict.enforced else None)):
@@ -308,8 +327,8 @@ class Gate:
                     # Refused: another gateway took the room since our snapshot. Again.
                 return _contended(verdict)
         except (LedgerUnavailable, TimeoutError) as exc:
-            return self._unavailable(exc, request_id if sent else None, pool.name, cls, cost,
-                                     policy, capacity)
+            return self._unavailable(exc, request_id if sent else None, pool, cls, cost,
+                                     policy, capacity, engines)
         except asyncio.CancelledError:
             if sent:  # the stream went away mid-decision: undo a reserve that may have landed
                 self._defer_release(request_id, pool.name)
@@ -327,26 +346,27 @@ class Gate:
             verdict = dataclasses.replace(verdict, outcome=Outcome.INVALID, error=error)
         return verdict
 
-    def _unavailable(self, exc: Exception, sent: str | None, pool: str, cls: str, cost: Cost,
-                     policy: Policy, capacity: Capacity) -> Verdict:
+    def _unavailable(self, exc: Exception, sent: str | None, pool: Pool, cls: str, cost: Cost,
+                     policy: Policy, capacity: Capacity, engines: PoolStats | None) -> Verdict:
         """The fault policy. The decision is always made on the local view (fail-closed
         keeps it only for metrics and the Retry-After hint, and for shadow mode)."""
         on_unavailable = self.config.ledger.on_unavailable
         self._ledger_away(exc, on_unavailable)
-        self.metrics.ledger_fallbacks.labels(pool, on_unavailable.value).inc()
-        view = self._views.setdefault(pool, _View())
-        verdict = self._verdict(decide(cost, view.snapshot(), capacity, policy,
-                                       now=self._clock()), pool, cls, cost)
+        self.metrics.ledger_fallbacks.labels(pool.name, on_unavailable.value).inc()
+        view = self._views.setdefault(pool.name, _View())
+        seen, _ = self._corrected(pool, view.snapshot(), engines, cost, capacity)
+        verdict = self._verdict(decide(cost, seen, capacity, policy, now=self._clock()),
+                                pool.name, cls, cost)
         if on_unavailable is OnUnavailable.FAIL_CLOSED and verdict.outcome is not Outcome.INVALID:
             # Fail-closed: we cannot record the request, so we do not let it run.
             verdict = dataclasses.replace(verdict, outcome=Outcome.REJECT,
                                           reason=Reason.LEDGER_UNAVAILABLE)
         if verdict.blocks:
             if sent is not None:
-                self._defer_release(sent, pool)
+                self._defer_release(sent, pool.name)
             return verdict
         # Fail-open (or shadow mode): it runs, so it is counted locally and recorded later.
-        entry = self._entry(sent or uuid.uuid4().hex, pool, verdict)
+        entry = self._entry(sent or uuid.uuid4().hex, pool.name, verdict)
         return dataclasses.replace(verdict, ticket=self._ticket(entry, cls, recorded=False))
 
     def _ledger_away(self, exc: Exception, on_unavailable: OnUnavailable) -> None:
@@ -398,7 +418,8 @@ class Gate:
                        enforced=True)
 
     async def _cost(self, request: InferenceRequest, pool: Pool, policy: Policy,
-                    capacity: Capacity) -> tuple[Cost, _Uncounted | None]:
+                    capacity: Capacity, engines: PoolStats | None = None,
+                    ) -> tuple[Cost, _Uncounted | None]:
         """The request's cost, exact or (long new text, decision not close) estimated; then
         also what is still to count (module docstring)."""
         counter = self._counters[pool.name]
@@ -410,19 +431,35 @@ class Gate:
             return cost_for(request, pool, known + counter.count(missing)), None
         calibration = self._calibrations[pool.name]
         guess = calibration.estimate(chars)
+        estimated = cost_for(request, pool, known + guess)
         low, high = (cost_for(request, pool, known + round(guess * (1.0 + m)))
                      for m in (-calibration.margin, calibration.margin))
-        local = self._views.get(pool.name, _View()).snapshot()
+        local, _ = self._corrected(pool, self._views.get(pool.name, _View()).snapshot(),
+                                   engines, estimated, capacity)
         now = self._clock()
         a, b = (decide(c, local, capacity, policy, now) for c in (low, high))
         if (a.outcome, a.reason) == (b.outcome, b.reason):
             self.metrics.prompt_counts.labels(pool.name, "estimated").inc()
-            return cost_for(request, pool, known + guess), _Uncounted(missing, chars, known)
+            return estimated, _Uncounted(missing, chars, known)
         self.metrics.prompt_counts.labels(pool.name, "awaited").inc()
         tokens = await asyncio.get_running_loop().run_in_executor(
             self._counting, counter.count, missing)
         calibration.learn(chars, tokens)
         return cost_for(request, pool, known + tokens), None
+
+    def _corrected(self, pool: Pool, snapshot: Snapshot, engines: PoolStats | None,
+                   cost: Cost, capacity: Capacity) -> tuple[Snapshot, Correction]:
+        """The snapshot ``decide`` sees: the ledger's plus the work the pool's engines hold
+        that it does not know about (``extproc.enginestats.correction``; nothing while their
+        scrapes are stale). An unseen request is charged the ledger's mean, or this request's
+        own charge on an empty ledger, as ``decide`` does for its mean."""
+        settings = pool.engine_metrics
+        if engines is None or settings is None:
+            return snapshot, NO_CORRECTION
+        fix = correction(snapshot, engines, fallback_request_ms=charge_ms(cost, capacity),
+                         tolerance=settings.tolerance, slack=settings.slack)
+        self.metrics.engine_correction.labels(pool.name).set(fix.extra_inflight)
+        return fix.apply(snapshot), fix
 
     async def _correct(self, ticket: Ticket, request: InferenceRequest, pool: Pool,
                        uncounted: _Uncounted, capacity: Capacity) -> None:

@@ -7,6 +7,8 @@ default tenant or ``other``. Nothing derived from a request's content is ever a 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
     from extproc.autoscale import Recommendation, Window
     from extproc.capacity import Replicas
+    from extproc.enginestats import PoolStats
     from extproc.gate import Verdict
 
 _WAIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
@@ -118,10 +121,50 @@ class Metrics:
             "Requests charged to the default tenant for want of one: missing, ambiguous"
             " (the tenant header arrived more than once) or invalid.",
             ["why"], registry=self.registry)
+        # the engines' own /metrics (extproc.enginestats), for pools with engine_metrics
+        self.engine_waiting = Gauge(
+            "extproc_engine_waiting_requests",
+            "Requests waiting in the pool's engines, summed over replicas with a fresh scrape.",
+            ["pool"], registry=self.registry)
+        self.engine_running = Gauge(
+            "extproc_engine_running_requests",
+            "Requests running in the pool's engines, summed over replicas with a fresh scrape.",
+            ["pool"], registry=self.registry)
+        self.engine_kv_usage = Gauge(
+            "extproc_engine_kv_cache_usage_max",
+            "KV-cache usage of the fullest replica with a fresh scrape, 0..1 (NaN when the"
+            " engines report none, as TGI).", ["pool"], registry=self.registry)
+        self.engine_targets = Gauge(
+            "extproc_engine_metrics_targets", "Replicas whose engine metrics are scraped.",
+            ["pool"], registry=self.registry)
+        self.engine_fresh = Gauge(
+            "extproc_engine_metrics_fresh_targets",
+            "Replicas with an engine sample younger than max_age_s.",
+            ["pool"], registry=self.registry)
+        self.engine_stale = Gauge(
+            "extproc_engine_metrics_stale",
+            "1 while too few replicas have a fresh sample to trust (the correction is off:"
+            " stale is not overload), else 0.", ["pool"], registry=self.registry)
+        self.engine_correction = Gauge(
+            "extproc_engine_correction_requests",
+            "Requests the engines hold that the ledger does not know about, added to the"
+            " ledger's view at the pool's last decision.", ["pool"], registry=self.registry)
         self.tls_reloads = Counter(
             "extproc_tls_reloads",
             "Changed certificate files found on the listener: served (ok) or refused.",
             ["result"], registry=self.registry)
+
+    def watch_engines(self, pool: str, latest: Callable[[], PoolStats]) -> None:
+        """The pool's engine gauges, read from ``latest()`` when Prometheus scrapes: a
+        scraper that stopped shows stale by itself, without a loop to publish it."""
+        self.engine_waiting.labels(pool).set_function(lambda: latest().waiting)
+        self.engine_running.labels(pool).set_function(lambda: latest().running)
+        self.engine_kv_usage.labels(pool).set_function(
+            lambda: math.nan if (kv := latest().kv_usage_max) is None else kv)
+        self.engine_targets.labels(pool).set_function(lambda: latest().targets)
+        self.engine_fresh.labels(pool).set_function(lambda: latest().fresh)
+        self.engine_stale.labels(pool).set_function(lambda: int(latest().stale))
+        self.engine_correction.labels(pool).set(0)
 
     def tls_reload(self, ok: bool) -> None:
         self.tls_reloads.labels("ok" if ok else "refused").inc()

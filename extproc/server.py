@@ -38,13 +38,17 @@ have room; that is the honest answer (we cannot decide in time). More processor 
 
 Drain (SIGTERM): health turns NOT_SERVING at once; new streams are still served (Envoy in the
 same pod is draining too, and refusing them would turn into 5xx), until no stream has been
-open for ``DRAIN_IDLE_S`` (and 20 samples in a row, so a stalled event loop, with streams
-waiting to be dispatched, never looks quiet) or ``drain_grace_s`` has passed; then it exits.
+open or started for ``DRAIN_IDLE_S`` (and 20 samples in a row, so a stalled event loop, with
+streams waiting to be dispatched, never looks quiet) or ``drain_grace_s`` has passed; then it
+exits. A sample counts streams started since the last one, not only those open at the
+instant: a stream lives a few milliseconds, so at 40 requests a second most instants see
+none open, and 20 such instants in a row once ended a drain with traffic still flowing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import signal
@@ -69,6 +73,7 @@ from extproc.capacity import (
 )
 from extproc.config import Config, ContentEncoding
 from extproc.control import Control
+from extproc.enginestats import EngineStats, Targets
 from extproc.errors import BodyTooLarge, LedgerUnavailable, RequestError
 from extproc.gate import Gate, Ticket, Verdict
 from extproc.keda import ExternalScaler
@@ -129,6 +134,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.config = gate.config
         self.rng = rng or random.Random()
         self.open_streams = 0
+        self.streams_started = 0  # ever: a drain sample sees streams that came and went
         self.backlog = Backlog(self.config.shed_wait_ms / 1000.0)
         self.tenants = Tenants(gate.config.tenant)
 
@@ -136,6 +142,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         self.open_streams += 1
+        self.streams_started += 1
         ticket: Ticket | None = None
         decided = False  # one decision per stream: a request phase repeated after it continues
         completed = False
@@ -275,7 +282,9 @@ class Service:
         self.metrics = Metrics()
         self.capacity = build_capacity(config)
         self.gate = gate or Gate(config, build_ledger(config, self.metrics), self.capacity,
-                                 self.metrics)
+                                 self.metrics, engines=build_engines(config, self.capacity))
+        for name, stats in self.gate.engines.items():
+            self.metrics.watch_engines(name, functools.partial(stats.latest, name))
         self.control = Control({p.name: config.autoscale.policy for p in config.pools},
                                self.gate.capacity, self.metrics,
                                classes=tuple(config.classes), window_s=config.autoscale.window_s)
@@ -315,6 +324,10 @@ class Service:
             self.keda_port = self.keda.add_insecure_port(self.config.keda_listen)
             await self.keda.start()
         await self.capacity.start()
+        for pool in self.config.pools:  # after capacity: it may name the replicas to scrape
+            if pool.engine_metrics is not None and pool.name in self.gate.engines:
+                await self.gate.engines[pool.name].start([pool.name],
+                                                         pool.engine_metrics.interval_s)
         self._tasks.append(asyncio.create_task(self.control.run()))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -383,8 +396,10 @@ class Service:
         deadline = loop.time() + self.config.drain_grace_s
         idle_since: float | None = None
         idle_samples = 0  # a stalled loop is one sample, however long it stalled
+        started = self.processor.streams_started
         while loop.time() < deadline:
-            if self.processor.open_streams == 0:
+            seen, started = started, self.processor.streams_started
+            if self.processor.open_streams == 0 and started == seen:
                 idle_since = idle_since or loop.time()
                 idle_samples += 1
                 if loop.time() - idle_since >= DRAIN_IDLE_S and idle_samples >= 20:
@@ -399,6 +414,8 @@ class Service:
         await self.server.stop(grace=0.5)
         if self.keda is not None:
             await self.keda.stop(grace=0.5)
+        for stats in self.gate.engines.values():
+            await stats.close()
         await self.capacity.close()
         self.tracing.shutdown()
         if self.gate.decision_log is not None:
@@ -428,6 +445,23 @@ def build_capacity(config: Config) -> CapacitySource:
         return KubernetesCapacity(config.pools, cap.services, hold_s=cap.hold_s,
                                   floor=cap.floor)
     return StaticCapacity(config.pools)
+
+
+def build_engines(config: Config, capacity: CapacitySource) -> dict[str, EngineStats]:
+    """A scraper of the engines' own ``/metrics`` for each pool with ``engine_metrics``; with
+    no ``targets`` listed it scrapes the ready hosts the capacity source discovered."""
+    engines: dict[str, EngineStats] = {}
+    for pool in config.pools:
+        settings = pool.engine_metrics
+        if settings is None:
+            continue
+        targets: Targets | dict[str, tuple[str, ...]] = (
+            {pool.name: settings.targets} if settings.targets is not None
+            else lambda name: capacity.replicas(name).addresses)
+        engines[pool.name] = EngineStats(targets, timeout_s=settings.timeout_s,
+                                         max_age_s=settings.max_age_s,
+                                         min_coverage=settings.min_coverage)
+    return engines
 
 
 async def serve(config: Config) -> None:

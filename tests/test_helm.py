@@ -152,6 +152,8 @@ BAD_VALUES = [
     ("config: {pools: []}", "/config/pools", "minItems"),
     ("config: {pools: [{models: ['*']}]}", "/config/pools/0", "missing property 'name'"),
     ("config: {pools: [{name: a, replicas: -2}]}", "/config/pools/0/replicas", "minimum"),
+    ("config: {pools: [{name: a, engine_metrics: {min_coverage: 2}}]}",
+     "/config/pools/0/engine_metrics/min_coverage", "maximum"),
     ("config: {classes: {latency: {safety_factor: 1.5}}}", "/config/classes/latency/safety_factor",
      "maximum"),
     ("config: {retry_after: {max_s: 600}}", "/config/retry_after/max_s", "maximum"),
@@ -227,6 +229,7 @@ def test_values_schema_knows_every_key_extproc_reads() -> None:
     assert set(cfg) - {"listen", "metrics_listen"} == _names(config_mod.Config) - _CHART_OWNED
     pool = cfg["pools"]["items"]["properties"]
     assert set(pool) == _names(config_mod.Pool)
+    assert set(pool["engine_metrics"]["properties"]) == _names(config_mod.EngineMetricsConfig)
     cls = cfg["classes"]["additionalProperties"]["properties"]
     assert set(cls) == _names(config_mod.ClassPolicy) - {"name"}
     route = cfg["routes"]["items"]["properties"]
