@@ -223,3 +223,17 @@ def test_a_tighter_deadline_never_admits_more(deadline: float, tighter: float) -
     loose = decide(cost, snap, CAP, Policy(deadline, 0.8), now=0.0)
     tight = decide(cost, snap, CAP, Policy(deadline * tighter, 0.8), now=0.0)
     assert loose.admitted or not tight.admitted
+
+
+def test_the_prefill_share_is_the_fleets_not_the_requests_own() -> None:
+    """Two requests differing only in their own lengths see the same busy fleet: the same
+    stretched step. (Read from the request's own decode, one whose ``max_tokens`` is under the
+    pool's mean output saw more prefill than there is, and one told its true long length, as
+    the simulator's oracle is, saw none.)"""
+    busy = Snapshot(inflight=7, outstanding_ms=7 * 400.0)  # mean charge 400: mostly prefill
+    short = Cost(2000, 10, expected_output_tokens=30, long_output_tokens=10)
+    long = Cost(2000, 600, expected_output_tokens=30, long_output_tokens=600)
+    steps = [(d.completion_ms - d.ttft_ms) / c.long_tokens
+             for c in (short, long) for d in [decide(c, busy, CAP, BATCH, now=0.0)]]
+    assert steps[0] == pytest.approx(steps[1])
+    assert steps[0] > CAP.itl_ms(CAP.max_running)  # stretched by the fleet's prefills
