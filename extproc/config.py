@@ -81,6 +81,8 @@ class EngineMetricsConfig:
     min_coverage: float = 0.5  # fresh / targets below this: stale, no correction
     tolerance: float = 0.25  # engines may hold this much more than the ledger ...
     slack: int = 2  # ... plus this many requests, before it counts as unseen work
+    # Learn the pool's output lengths from vllm:request_generation_tokens (extproc.estimate)
+    learn_output_lengths: bool = True
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,8 @@ class _Reader:
 def _coerce(value: Any, kind: Callable[[Any], T]) -> T:
     if isinstance(value, bool) and kind in (int, float):
         raise TypeError("must be a number, not a boolean")
+    if kind is bool and not isinstance(value, bool):
+        raise TypeError("must be true or false")
     if kind is int and not isinstance(value, int):
         raise TypeError("must be an integer")
     if kind is float and not isinstance(value, int | float):
@@ -777,6 +781,8 @@ def _engine_metrics(r: _Reader, raw: Any, p: str) -> EngineMetricsConfig | None:
         min_coverage=r.take(body, p, "min_coverage", float, d.min_coverage, _fraction),
         tolerance=r.take(body, p, "tolerance", float, d.tolerance, _non_negative),
         slack=r.take(body, p, "slack", int, d.slack, _non_negative),
+        learn_output_lengths=r.take(body, p, "learn_output_lengths", bool,
+                                    d.learn_output_lengths),
     )
     r.leftovers(body, p)
     return config

@@ -7,6 +7,15 @@ Names read (samples summed over their labels; vLLM labels by model and engine):
     kv usage   vllm:kv_cache_usage_perc (0..1; vllm:gpu_cache_usage_perc before vLLM 0.10)
 
 TGI has no KV-usage gauge; a page with none of these names is a failed scrape, not zeros.
+vLLM's ``vllm:request_generation_tokens`` histogram (output tokens of each finished request)
+is read too, its cumulative buckets summed per ``le``: TGI has none, and then it is absent.
+
+Output lengths. Each scrape round, every target's buckets are compared with its previous ones
+(``histogram_increase``): the increase is the outputs finished since, handed with the other
+targets' to the pool's ``on_lengths`` sink (the gate's ``Observed``). A bucket that went down
+means the engine restarted: its counts since then are the increase. A target seen for the
+first time only sets the baseline: its counts may be days of history, which would drown the
+~15 minutes the sink is meant to remember.
 
 Each replica is scraped concurrently with a short timeout. A failed scrape keeps that
 replica's previous sample until it is older than ``max_age_s``; the pool's aggregate sums the
@@ -50,6 +59,10 @@ log = logging.getLogger(__name__)
 WAITING = ("vllm:num_requests_waiting", "tgi_queue_size")
 RUNNING = ("vllm:num_requests_running", "tgi_batch_current_size")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+GENERATION_TOKENS = "vllm:request_generation_tokens_bucket"
+
+Cumulative = tuple[tuple[float, float], ...]  # (le, outputs <= le), by le ascending
+Bucket = tuple[float, float, float]  # (low, high, outputs in (low, high])
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class EngineSample:
     waiting: int
     running: int
     kv_usage: float | None = None  # 0..1, when the engine reports it
+    generation_tokens: Cumulative | None = None  # vLLM's output-length histogram; TGI: None
 
 
 @dataclass(frozen=True)
@@ -82,9 +96,13 @@ def parse(text: str) -> EngineSample:
     """An ``EngineSample`` from a Prometheus text page; ValueError if no engine metric is there."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (*WAITING, *RUNNING, *KV_USAGE):
+            if sample.name == GENERATION_TOKENS and "le" in sample.labels:
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            elif sample.name in (*WAITING, *RUNNING, *KV_USAGE):
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
                 counts[sample.name] = counts.get(sample.name, 0) + 1
 
@@ -96,7 +114,29 @@ def parse(text: str) -> EngineSample:
         raise ValueError("no vLLM or TGI queue metrics on the page")
     kv_name = next((n for n in KV_USAGE if n in sums), None)
     kv = sums[kv_name] / counts[kv_name] if kv_name else None  # mean over a replica's engines
-    return EngineSample(round(waiting or 0), round(running or 0), kv)
+    return EngineSample(round(waiting or 0), round(running or 0), kv,
+                        tuple(sorted(buckets.items())) if buckets else None)
+
+
+def histogram_increase(old: Cumulative | None, new: Cumulative) -> tuple[Bucket, ...]:
+    """The outputs counted in each bucket between two scrapes of one engine's cumulative
+    histogram, as ``(low, high, count)`` with ``count > 0``. ``old`` None (a target seen for
+    the first time): nothing, the baseline is set (module docstring). A bucket that went down,
+    or bounds that changed: the engine restarted, so everything in ``new`` is new."""
+    if old is None:
+        return ()
+    before = dict(old)
+    restarted = ([le for le, _ in old] != [le for le, _ in new]
+                 or any(n < before[le] for le, n in new))
+    out: list[Bucket] = []
+    low, below_new, below_old = 0.0, 0.0, 0.0
+    for le, n in new:
+        was = 0.0 if restarted else before[le]
+        count = (n - below_new) - (was - below_old)
+        if count > 0:
+            out.append((low, le, count))
+        low, below_new, below_old = le, n, was
+    return tuple(out)
 
 
 def aggregate(samples: Iterable[tuple[float, EngineSample]], targets: int, now: float, *,
@@ -140,6 +180,7 @@ def correction(ledger: Snapshot, engines: PoolStats | None, *, fallback_request_
 
 
 Targets = Callable[[str], Sequence[str]]
+LengthSink = Callable[[str, Sequence[Bucket]], None]  # (pool, outputs finished this round)
 
 
 class EngineStats:
@@ -152,12 +193,15 @@ class EngineStats:
 
     def __init__(self, targets: Targets | Mapping[str, Sequence[str]], *,
                  timeout_s: float = 0.5, max_age_s: float = 5.0, min_coverage: float = 0.5,
-                 path: str = "/metrics", clock: Callable[[], float] = time.monotonic) -> None:
+                 path: str = "/metrics", clock: Callable[[], float] = time.monotonic,
+                 on_lengths: LengthSink | None = None) -> None:
         self._targets: Targets = targets.__getitem__ if isinstance(targets, Mapping) else targets
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_age_s, self.min_coverage, self.path = max_age_s, min_coverage, path
         self._clock = clock
         self._samples: dict[str, dict[str, tuple[float, EngineSample]]] = {}
+        self._lengths: dict[str, dict[str, Cumulative]] = {}  # pool -> target -> last buckets
+        self.on_lengths = on_lengths  # called once per round with the outputs finished since
         self._errors: dict[str, str] = {}  # target -> last error, for logs and debugging
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -196,7 +240,24 @@ class EngineStats:
         for target, sample in zip(targets, results, strict=True):
             if sample is not None:
                 known[target] = (now, sample)
+        increase = self._increase(pool, targets, results)
+        if self.on_lengths is not None:
+            self.on_lengths(pool, increase)
         return self.latest(pool)
+
+    def _increase(self, pool: str, targets: Sequence[str],
+                  results: Sequence[EngineSample | None]) -> list[Bucket]:
+        """This round's finished outputs over the targets; each target's buckets kept."""
+        last = self._lengths.setdefault(pool, {})
+        for target in list(last):
+            if target not in targets:
+                del last[target]
+        out: list[Bucket] = []
+        for target, sample in zip(targets, results, strict=True):
+            if sample is not None and sample.generation_tokens is not None:
+                out += histogram_increase(last.get(target), sample.generation_tokens)
+                last[target] = sample.generation_tokens
+        return out
 
     def latest(self, pool: str) -> PoolStats:
         known = self._samples.get(pool, {})

@@ -37,8 +37,11 @@ made by an output-length predictor (one method, ``predict(prompt_tokens, charged
 - ``Configured``: the pool's ``expected_output_tokens`` / ``long_output_tokens``;
 - ``Observed``: learned online from completed requests' output lengths (a decaying histogram
   on a log grid: the mean and the 99th percentile), falling back to another predictor until it
-  has seen ``min_samples``. It is pure state: whoever sees completions feeds it (the simulator
-  does; the engines' ``vllm:request_generation_tokens`` histogram can).
+  has seen ``min_samples``. It is pure state: whoever sees completions feeds it. The simulator
+  feeds each completion (``observe``); the gateway, which never reads response bodies, feeds
+  each scrape round's increase of the engines' ``vllm:request_generation_tokens`` histogram
+  (``observe_bucket``: a coarse vLLM bucket spread log-uniformly over the grid cells inside it)
+  and forgets with the same memory in seconds (``decay_factor``, ``OUTPUT_MEMORY_S``).
 """
 
 from __future__ import annotations
@@ -217,6 +220,16 @@ class Configured:
 # Upper bounds of the histogram's buckets: ten per decade from 1 to 100,000 tokens.
 _GRID = tuple(round(10 ** (i / 10), 3) for i in range(51))
 
+# How long ``Observed`` remembers, in seconds: the e-folding time of the simulator's 0.99 per
+# 10 s sample (~16.6 min), so that a gateway scraping at any interval forgets as fast.
+OUTPUT_MEMORY_S = 10.0 / -math.log(0.99)
+
+
+def decay_factor(interval_s: float) -> float:
+    """The ``Observed.decay`` factor per round of ``interval_s``: ``exp(-interval_s / memory)``
+    (0.99 at 10 s), so the memory in seconds does not depend on the interval."""
+    return math.exp(-interval_s / OUTPUT_MEMORY_S)
+
 
 class Observed:
     """Mean and ``quantile`` of recent output lengths. ``observe`` adds completions;
@@ -232,13 +245,43 @@ class Observed:
         self._counts = [0.0] * (len(_GRID) + 1)
         self._n = 0.0
         self._sum = 0.0
-        self._cached: tuple[float | None, float | None] | None = None
+        self._cached: tuple[float, float] | None = None
         self._fresh = 0.0  # observations since the prediction was computed
 
     def observe(self, tokens: float, count: float = 1.0) -> None:
-        self._counts[bisect.bisect_left(_GRID, tokens)] += count
+        self._add(bisect.bisect_left(_GRID, tokens), count, tokens * count)
+
+    def observe_bucket(self, low: float, high: float, count: float) -> None:
+        """``count`` outputs somewhere in ``(low, high]`` (a bucket of an engine's histogram),
+        spread over the grid cells inside in proportion to their overlap in log space: within
+        a coarse bucket (vLLM's 20-50) the quantile interpolates log-uniformly instead of
+        finding every output at one point. Each cell's share is summed at the log-uniform mean
+        of its part, ``(b - a) / ln(b / a)``. No output is shorter than one token, so a bucket
+        from 0 starts at 1. ``high`` infinite (the +Inf bucket): the top cell, summed at
+        ``max(low, top bound)``, the least those outputs can be."""
+        if count <= 0:
+            return
+        if math.isinf(high):
+            self._add(len(_GRID), count, count * max(low, _GRID[-1]))
+            return
+        low = max(low, min(high, 1.0))
+        if high <= low or high <= _GRID[0]:
+            self._add(bisect.bisect_left(_GRID, high), count, count * high)
+            return
+        span = math.log(high / low)
+        first, last = bisect.bisect_left(_GRID, low), bisect.bisect_left(_GRID, high)
+        for i in range(first, last + 1):  # cell i holds (_GRID[i - 1], _GRID[i]]
+            a = max(low, _GRID[i - 1] if i > 0 else 0.0)
+            b = min(high, _GRID[i] if i < len(_GRID) else high)
+            if b <= a:
+                continue
+            share = count * math.log(b / a) / span
+            self._add(i, share, share * (b - a) / math.log(b / a))
+
+    def _add(self, cell: int, count: float, tokens: float) -> None:
+        self._counts[cell] += count
         self._n += count
-        self._sum += tokens * count
+        self._sum += tokens
         self._fresh += count
         if self._fresh > 0.02 * self._n:  # recompute once 2% of what it knows is new
             self._cached = None
@@ -264,13 +307,18 @@ class Observed:
             seen += c
         return _GRID[-1]
 
-    def predict(self, prompt_tokens: int, charged: int) -> tuple[float | None, float | None]:
+    def learned(self) -> tuple[float, float] | None:
+        """``(mean, quantile)`` of what it has seen; None below ``min_samples``."""
         if self._n < self.min_samples:
-            return self.fallback.predict(prompt_tokens, charged)
+            return None
         if self._cached is None:
             self._cached = (self._sum / self._n, self._quantile())
             self._fresh = 0.0
         return self._cached
+
+    def predict(self, prompt_tokens: int, charged: int) -> tuple[float | None, float | None]:
+        got = self.learned()
+        return got if got is not None else self.fallback.predict(prompt_tokens, charged)
 
 
 def predictor_for(pool: Pool) -> OutputPredictor:

@@ -20,8 +20,8 @@ and a request that could never fit gets a 400. A request whose client goes away 
 running at once, freeing its slot as vLLM's abort does; serve the app with
 ``handler_cancellation=True`` (``serve`` and aiohttp's ``TestServer`` do) so a disconnect is seen
 before anything is written. With ``replicas > 1`` a request joins the replica with the fewest
-running + waiting. ``/metrics`` uses vLLM's names summed over replicas; latency histograms count
-completed requests only.
+running + waiting. ``/metrics`` uses vLLM's names summed over replicas; the latency and
+output-length (``vllm:request_generation_tokens``) histograms count completed requests only.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ DEFAULT_MAX_TOKENS = 256
 LENGTH_MU, LENGTH_SIGMA = 5.02, 0.86  # log-normal output lengths, Azure conversation trace fit
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+# vLLM's 1-2-5 series up to the model's context length (here 20,000 tokens)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
 @dataclass(frozen=True)
@@ -280,6 +282,9 @@ class _Backend:
                              LATENCY_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to admission.",
                                LATENCY_BUCKETS)
+        self.generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Output tokens of each finished request.",
+            TOKEN_BUCKETS)
         self.success = Counter("vllm:request_success", "Completed requests.",
                                [*labels, "finished_reason"], registry=reg)
 
@@ -319,6 +324,7 @@ class _Backend:
         self.queue.observe(seq.admitted - seq.arrived)
         self.ttft.observe(seq.first_token - seq.arrived)
         self.e2e.observe(seq.finished - seq.arrived)
+        self.generation_tokens.observe(seq.generated)
         self.success.labels(self.model_name, reason).inc()
         return response
 

@@ -30,6 +30,12 @@ formula. The engines' view is read once per decision (``EngineStats.latest``, a 
 pool's last samples); a stale one adds nothing. The ledger and the local view stay
 uncorrected: the correction changes what is decided, never what is recorded.
 
+Output lengths. Every cost carries the pool's output-length prediction from one predictor per
+pool (``predictor``). For a pool with ``engine_metrics`` and ``learn_output_lengths`` it is an
+``Observed`` fed by each scrape round's increase of the engines' generation-token histogram
+and decayed once a round (``decay_factor`` of ``interval_s``); until it has seen enough
+outputs, and on engines without the histogram (TGI), the configured prediction applies.
+
 The ledger may be shared (Redis) and may fail. A decision's ledger calls (snapshot, then the
 atomic reserve against the decision's ``ceiling_ms``) together get ``decision_deadline_ms``.
 If another gateway took the room between our snapshot and our reserve, the ledger refuses and
@@ -58,7 +64,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -76,9 +82,18 @@ from extproc.admission import (
 )
 from extproc.capacity import CapacitySource
 from extproc.config import Config, Infeasible, Mode, OnUnavailable, Pool, Route, TracingConfig
-from extproc.enginestats import Correction, EngineStats, PoolStats, correction
+from extproc.enginestats import Bucket, Correction, EngineStats, PoolStats, correction
 from extproc.errors import BadRequest, LedgerUnavailable, RequestError
-from extproc.estimate import Calibration, TokenCounter, cost_for, counter_for
+from extproc.estimate import (
+    Calibration,
+    Observed,
+    OutputPredictor,
+    TokenCounter,
+    cost_for,
+    counter_for,
+    decay_factor,
+    predictor_for,
+)
 from extproc.ledger import Entry, Ledger
 from extproc.metrics import Metrics
 from extproc.request import InferenceRequest, parse
@@ -186,6 +201,17 @@ class Gate:
         self._counting = concurrent.futures.ThreadPoolExecutor(1, "extproc-count")
         self._pending_counts = 0  # corrections waiting for or running on that thread
         self._calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
+        self._predictors: dict[str, OutputPredictor] = {}
+        self._learning: dict[str, tuple[Observed, float]] = {}  # pool -> (lengths, decay)
+        for pool in config.pools:
+            self._predictors[pool.name] = predictor_for(pool)
+            settings, stats = pool.engine_metrics, self.engines.get(pool.name)
+            if settings is not None and settings.learn_output_lengths and stats is not None:
+                observed = Observed(fallback=self._predictors[pool.name])
+                self._predictors[pool.name] = observed
+                self._learning[pool.name] = (observed, decay_factor(settings.interval_s))
+                stats.on_lengths = self.learn_lengths
+                metrics.watch_outputs(pool.name, observed.learned)
         self.control: Control | None = None  # the autoscaling loop counts what we decide
         self.tracing: Tracing = Tracing(TracingConfig())  # off unless the service sets it
         self.decision_log = (decisionlog.DecisionLog(config.decision_log)
@@ -197,6 +223,24 @@ class Gate:
             if not self._counters[pool.name].exact:
                 log.warning("pool %s has no tokenizer: prompt tokens are estimated at %.1f bytes"
                             " per token", pool.name, pool.bytes_per_token)
+
+    def predictor(self, pool: str) -> OutputPredictor:
+        """The pool's output-length predictor: every cost this gate computes uses it."""
+        return self._predictors[pool]
+
+    def learn_lengths(self, pool: str, finished: Sequence[Bucket]) -> None:
+        """One scrape round of the pool's engines: forget a round's worth, then add the
+        outputs that finished since the last round (``EngineStats.on_lengths``)."""
+        learning = self._learning.get(pool)
+        if learning is None:
+            return
+        observed, factor = learning
+        observed.decay(factor)
+        for low, high, count in finished:
+            observed.observe_bucket(low, high, count)
+
+    def _cost_for(self, request: InferenceRequest, pool: Pool, text_tokens: int) -> Cost:
+        return cost_for(request, pool, text_tokens, self._predictors[pool.name])
 
     def policy(self, route: Route, headers: Mapping[str, str]) -> Policy:
         """The class policy, with the deadline tightened (never loosened) by the client."""
@@ -428,11 +472,11 @@ class Gate:
         if not missing or not counter.exact or chars <= ESTIMATE_CHARS:
             how = "counted" if missing else "cached"
             self.metrics.prompt_counts.labels(pool.name, how).inc()
-            return cost_for(request, pool, known + counter.count(missing)), None
+            return self._cost_for(request, pool, known + counter.count(missing)), None
         calibration = self._calibrations[pool.name]
         guess = calibration.estimate(chars)
-        estimated = cost_for(request, pool, known + guess)
-        low, high = (cost_for(request, pool, known + round(guess * (1.0 + m)))
+        estimated = self._cost_for(request, pool, known + guess)
+        low, high = (self._cost_for(request, pool, known + round(guess * (1.0 + m)))
                      for m in (-calibration.margin, calibration.margin))
         local, _ = self._corrected(pool, self._views.get(pool.name, _View()).snapshot(),
                                    engines, estimated, capacity)
@@ -445,7 +489,7 @@ class Gate:
         tokens = await asyncio.get_running_loop().run_in_executor(
             self._counting, counter.count, missing)
         calibration.learn(chars, tokens)
-        return cost_for(request, pool, known + tokens), None
+        return self._cost_for(request, pool, known + tokens), None
 
     def _corrected(self, pool: Pool, snapshot: Snapshot, engines: PoolStats | None,
                    cost: Cost, capacity: Capacity) -> tuple[Snapshot, Correction]:
@@ -476,7 +520,7 @@ class Gate:
         self._calibrations[pool.name].learn(uncounted.chars, tokens)
         if ticket.settled:
             return
-        exact = charge_ms(cost_for(request, pool, uncounted.known + tokens), capacity)
+        exact = charge_ms(self._cost_for(request, pool, uncounted.known + tokens), capacity)
         view = self._views.get(pool.name)
         if view is not None:
             view.outstanding_ms += exact - ticket.cost_ms

@@ -149,6 +149,11 @@ class Metrics:
             "extproc_engine_correction_requests",
             "Requests the engines hold that the ledger does not know about, added to the"
             " ledger's view at the pool's last decision.", ["pool"], registry=self.registry)
+        self.output_tokens_predicted = Gauge(
+            "extproc_output_tokens_predicted",
+            "Output tokens predicted for the pool's requests, learned from the engines'"
+            " vllm:request_generation_tokens: kind expected (mean) or long (p99); NaN until"
+            " enough outputs are seen.", ["pool", "kind"], registry=self.registry)
         self.tls_reloads = Counter(
             "extproc_tls_reloads",
             "Changed certificate files found on the listener: served (ok) or refused.",
@@ -165,6 +170,17 @@ class Metrics:
         self.engine_fresh.labels(pool).set_function(lambda: latest().fresh)
         self.engine_stale.labels(pool).set_function(lambda: int(latest().stale))
         self.engine_correction.labels(pool).set(0)
+
+    def watch_outputs(self, pool: str,
+                      learned: Callable[[], tuple[float, float] | None]) -> None:
+        """The pool's learned output lengths, read from ``learned()`` when Prometheus
+        scrapes (``Observed.learned``: None until it has seen enough)."""
+        def read(i: int) -> float:
+            got = learned()
+            return math.nan if got is None else got[i]
+
+        self.output_tokens_predicted.labels(pool, "expected").set_function(lambda: read(0))
+        self.output_tokens_predicted.labels(pool, "long").set_function(lambda: read(1))
 
     def tls_reload(self, ok: bool) -> None:
         self.tls_reloads.labels("ok" if ok else "refused").inc()

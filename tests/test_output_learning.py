@@ -1,0 +1,277 @@
+"""Output lengths learned in production: the engines' ``vllm:request_generation_tokens``
+histogram, scraped, feeds each pool's ``Observed`` (extproc.enginestats, extproc.estimate),
+and the gate's costs carry what it learned."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc import config
+from extproc.admission import Snapshot, decide
+from extproc.capacity import StaticCapacity
+from extproc.enginestats import EngineStats, histogram_increase, parse
+from extproc.errors import ConfigError
+from extproc.estimate import Configured, Observed, cost_of, decay_factor
+from extproc.fakebackend import TOKEN_BUCKETS
+from extproc.gate import Gate
+from extproc.ledger.memory import MemoryLedger
+from extproc.metrics import Metrics
+from extproc.stack import Process, free_port, wait_http
+from tests.extproc_client import chat
+
+BOUNDS = (*map(float, TOKEN_BUCKETS), math.inf)  # vLLM's, and the fake backend's
+
+
+def binned(lengths: list[int]) -> list[tuple[float, float, float]]:
+    """``lengths`` as vLLM's histogram holds them: ``(low, high, count)`` per bucket."""
+    out, low = [], 0.0
+    for high in BOUNDS:
+        out.append((low, high, float(sum(1 for x in lengths if low < x <= high))))
+        low = high
+    return out
+
+
+def lognormal(median: float, sigma: float, n: int, seed: int = 7) -> list[int]:
+    rng = random.Random(seed)
+    return [max(1, round(rng.lognormvariate(math.log(median), sigma))) for _ in range(n)]
+
+
+def truth(lengths: list[int]) -> tuple[float, float]:
+    """The sample's mean and 99th percentile."""
+    ordered = sorted(lengths)
+    return sum(ordered) / len(ordered), float(ordered[int(0.99 * len(ordered))])
+
+
+# -- pure parts ------------------------------------------------------------------------------
+
+def test_histogram_increase_is_what_each_bucket_gained() -> None:
+    old = ((10.0, 3.0), (20.0, 5.0), (math.inf, 6.0))
+    new = ((10.0, 4.0), (20.0, 9.0), (math.inf, 10.0))
+    # per bucket: (0, 10] 3 -> 4, (10, 20] 2 -> 5, (20, inf) 1 -> 1
+    assert histogram_increase(old, new) == ((0.0, 10.0, 1.0), (10.0, 20.0, 3.0))
+
+
+def test_a_restarted_engine_counts_from_zero() -> None:
+    old = ((10.0, 30.0), (20.0, 50.0), (math.inf, 60.0))
+    new = ((10.0, 2.0), (20.0, 2.0), (math.inf, 3.0))  # went down: the engine restarted
+    assert histogram_increase(old, new) == ((0.0, 10.0, 2.0), (20.0, math.inf, 1.0))
+
+
+def test_a_new_target_only_sets_the_baseline() -> None:
+    assert histogram_increase(None, ((10.0, 500.0), (math.inf, 900.0))) == ()
+    assert histogram_increase(((10.0, 1.0),), ((10.0, 1.0),)) == ()  # nothing finished
+
+
+def test_parse_sums_the_buckets_over_label_sets_and_tgi_has_none() -> None:
+    page = "\n".join([
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{model_name="a"} 1',
+        "# TYPE vllm:request_generation_tokens histogram",
+        *(f'vllm:request_generation_tokens_bucket{{engine="{e}",le="{le}"}} {n}'
+          for e, counts in (("0", (1, 4, 5)), ("1", (2, 2, 7)))
+          for le, n in zip(("10.0", "20.0", "+Inf"), counts, strict=True)),
+        'vllm:request_generation_tokens_count{engine="0"} 5',
+        'vllm:request_generation_tokens_sum{engine="0"} 60',
+        "", ])
+    assert parse(page).generation_tokens == ((10.0, 3.0), (20.0, 6.0), (math.inf, 12.0))
+    tgi = "# TYPE tgi_queue_size gauge\ntgi_queue_size 2\n"
+    assert parse(tgi).generation_tokens is None
+
+
+@pytest.mark.parametrize(("median", "sigma", "long_over"), [
+    (24.0, 0.5, 1.25),  # narrow: its p99 (~76) sits low in vLLM's (50, 100] bucket
+    (13.0, 0.85, 1.15),  # heavy tail
+])
+def test_coarse_buckets_spread_log_uniformly_recover_mean_and_p99(
+        median: float, sigma: float, long_over: float) -> None:
+    lengths = lognormal(median, sigma, 20_000)
+    mean, p99 = truth(lengths)
+    observed = Observed(min_samples=50)
+    for low, high, count in binned(lengths):
+        observed.observe_bucket(low, high, count)
+    got = observed.learned()
+    assert got is not None
+    assert abs(got[0] - mean) <= 0.15 * mean, (got, mean)
+    # Log-uniform within a bucket puts too much of a falling tail near the bucket's top: the
+    # p99 comes out high (the safe side for a promise), never more than long_over x the truth.
+    assert 0.95 * p99 <= got[1] <= long_over * p99, (got, p99)
+
+
+def test_one_count_at_one_point_would_be_worse() -> None:
+    """Why spread: all of (50, 100] at 100 puts the narrow case's p99 at 100, +30%."""
+    lengths = lognormal(24.0, 0.5, 20_000)
+    _, p99 = truth(lengths)
+    pointwise = Observed(min_samples=50)
+    for _, high, count in binned(lengths):
+        pointwise.observe(min(high, 1e5), count)
+    spread = Observed(min_samples=50)
+    for low, high, count in binned(lengths):
+        spread.observe_bucket(low, high, count)
+    assert (spread.learned() or (0, 0))[1] < (pointwise.learned() or (0, 0))[1]
+    assert (pointwise.learned() or (0, 0))[1] > 1.25 * p99
+
+
+def test_bucket_edges_and_the_inf_bucket() -> None:
+    observed = Observed(min_samples=1)
+    observed.observe_bucket(0.0, 1.0, 10.0)  # all one token
+    assert observed.learned() == pytest.approx((1.0, 1.0), abs=0.02)  # p99 within (0, 1]
+    top = Observed(min_samples=1, quantile=0.5)
+    top.observe_bucket(20_000.0, math.inf, 4.0)  # beyond every bound: the top cell
+    assert top.learned() == pytest.approx((1e5, 1e5))
+    top.observe_bucket(5.0, 5.0, 0.0)  # nothing: no change
+    assert top.samples == 4.0
+
+
+def test_the_memory_is_the_same_in_seconds_whatever_the_interval() -> None:
+    assert decay_factor(10.0) == pytest.approx(0.99)  # the simulator's per-sample factor
+    assert decay_factor(2.0) ** 450 == pytest.approx(0.99 ** 90)  # 15 minutes either way
+    assert 0.36 < decay_factor(2.0) ** (16.6 * 30) < 0.37  # ~16.6 min: 1/e left
+
+
+# -- end to end: a real fake vLLM, scraped -----------------------------------------------------
+
+FAST = {"interval_s": 0.1, "timeout_s": 0.5, "max_age_s": 1.0}
+SENT = 200
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[str]:
+    """A fake vLLM that runs everything at once, at 1/100 of real time."""
+    port = free_port()
+    proc = Process("backend", [sys.executable, "-m", "extproc", "fake-backend", "--port",
+                               str(port), "--max-running", "256", "--time-scale", "0.01"],
+                   tmp_path)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc.popen)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def gate_for(addr: str, **section: Any) -> tuple[Gate, EngineStats, Metrics]:
+    pool = {"name": "llama", "replicas": 1, "max_running": 2,
+            "engine_metrics": {"targets": [addr], **FAST, **section}}
+    cfg = config.from_mapping({"pools": [pool], "classes": {
+        "latency": {"deadline_ms": 60_000, "ttft_ms": 5_000}}})
+    stats = EngineStats({"llama": [addr]}, timeout_s=0.5)
+    metrics = Metrics()
+    return Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), metrics,
+                engines={"llama": stats}), stats, metrics
+
+
+def gauge(metrics: Metrics, kind: str) -> float | None:
+    """``extproc_output_tokens_predicted{pool="llama",kind}``; None when not exported."""
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if s.name == "extproc_output_tokens_predicted" and s.labels == {
+                    "pool": "llama", "kind": kind}:
+                return s.value
+    return None
+
+
+async def send(addr: str, lengths: list[int]) -> None:
+    """Completions straight to the engine, each generating exactly its given length."""
+    async with aiohttp.ClientSession() as client:
+        async def one(n: int) -> None:
+            doc = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}],
+                   "max_tokens": 1000, "extproc_output_tokens": n}
+            async with client.post(f"http://{addr}/v1/chat/completions", json=doc) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+        await asyncio.gather(*(one(n) for n in lengths))
+
+
+async def learn(gate: Gate, stats: EngineStats, addr: str, lengths: list[int],
+                within: float = 20.0) -> None:
+    """Scrape once (the baseline), send ``lengths``, and scrape until the engine has counted
+    them all."""
+    await stats.scrape("llama")
+    await send(addr, lengths)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        sample = (await stats.scrape("llama"), stats._samples["llama"][addr][1])[1]
+        assert sample.generation_tokens is not None
+        if sample.generation_tokens[-1][1] >= len(lengths):
+            return
+        assert loop.time() < deadline, f"engine counted {sample.generation_tokens[-1][1]}"
+        await asyncio.sleep(0.05)
+
+
+async def check(gate: Gate) -> Any:
+    route = gate.config.route("/v1/chat/completions")
+    assert route is not None
+    verdict = await gate.check(route, route.path, {}, json.dumps(chat(2000)).encode())
+    if verdict.ticket is not None:
+        await gate.settle(verdict.ticket)
+    return route, verdict
+
+
+def charged_with(gate: Gate, route: Any, verdict: Any, expected: float | None,
+                 long: float | None) -> float:
+    """The completion time ``decide`` gives the same request with this prediction."""
+    pool = gate.config.pools[0]
+    cost = cost_of(verdict.prompt_tokens, 2000, 1, pool,
+                   predictor=Configured(expected, long))
+    capacity = StaticCapacity(gate.config.pools).capacity("llama")
+    return decide(cost, Snapshot(0, 0.0), capacity, gate.policy(route, {}),
+                  now=0.0).completion_ms
+
+
+async def test_the_gate_learns_output_lengths_from_the_engines(backend: str) -> None:
+    lengths = lognormal(24.0, 0.5, SENT)
+    mean, p99 = truth(lengths)
+    gate, stats, metrics = gate_for(backend)
+    assert stats.on_lengths is not None
+    assert gauge(metrics, "expected") is not None and math.isnan(gauge(metrics, "expected")
+                                                                  or 0.0)
+
+    await learn(gate, stats, backend, lengths)
+
+    expected, long = gauge(metrics, "expected"), gauge(metrics, "long")
+    assert expected is not None and long is not None
+    assert abs(expected - mean) <= 0.15 * mean, (expected, mean)
+    assert 0.9 * p99 <= long <= 1.3 * p99, (long, p99)
+    assert gate.predictor("llama").predict(10, 2000) == pytest.approx((expected, long))
+    # the decision's cost carried them: decide with them gives the gate's completion time,
+    # far from charging max_tokens (2,000) in full
+    route, verdict = await check(gate)
+    assert verdict.decision is not None
+    got = verdict.decision.completion_ms
+    assert got == pytest.approx(charged_with(gate, route, verdict, expected, long))
+    assert got < 0.2 * charged_with(gate, route, verdict, None, None)
+
+
+async def test_learning_can_be_turned_off(backend: str) -> None:
+    gate, stats, metrics = gate_for(backend, learn_output_lengths=False)
+    assert stats.on_lengths is None
+    await learn(gate, stats, backend, lognormal(24.0, 0.5, SENT))
+    assert gauge(metrics, "expected") is None  # not exported for this pool
+    assert gate.predictor("llama").predict(10, 2000) == (None, None)  # charge in full
+    route, verdict = await check(gate)
+    assert verdict.decision is not None
+    assert verdict.decision.completion_ms == pytest.approx(
+        charged_with(gate, route, verdict, None, None))
+
+
+def test_the_config_key_is_validated_by_name() -> None:
+    pool = {"name": "llama", "engine_metrics": {"targets": ["h:1"],
+                                                 "learn_output_lengths": "yes"}}
+    with pytest.raises(ConfigError) as err:
+        config.from_mapping({"pools": [pool]})
+    assert err.value.problems == [
+        "pools[0].engine_metrics.learn_output_lengths: must be true or false (got 'yes')"]
+    pool["engine_metrics"] = {"targets": ["h:1"]}
+    got = config.from_mapping({"pools": [pool]}).pools[0].engine_metrics
+    assert got is not None and got.learn_output_lengths is True
