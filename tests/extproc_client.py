@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc import config
+from extproc.server import Service
 
 CHAT = "/v1/chat/completions"
 
@@ -48,6 +52,22 @@ class Stream:
             stream.call.cancel()
         await asyncio.sleep(0)
         cls.opened.clear()
+
+
+@asynccontextmanager
+async def serving(settings: Mapping[str, Any], options: Sequence[tuple[str, Any]] = ()
+                  ) -> AsyncIterator[tuple[Service, pb_grpc.ExternalProcessorStub]]:
+    """A started ``Service`` on ``settings`` and an ext_proc stub on a real channel to it
+    (``options`` for the channel); on exit every stream is ended and the service stopped."""
+    svc = Service(config.from_mapping(dict(settings)))
+    await svc.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}",
+                                             options=list(options)) as channel:
+            yield svc, pb_grpc.ExternalProcessorStub(channel)
+    finally:
+        await Stream.end_all()
+        await svc.stop()
 
 
 def headers(path: str = CHAT, method: str = "POST", eos: bool = False,

@@ -9,7 +9,6 @@ from typing import Any
 import grpc
 import pytest
 
-from extproc import config
 from extproc._proto import externalscaler_pb2 as kpb
 from extproc._proto import externalscaler_pb2_grpc as kpb_grpc
 from extproc.admission import Outcome, Reason
@@ -20,8 +19,7 @@ from extproc.control import Control
 from extproc.gate import Ticket, Verdict
 from extproc.keda import metric_name
 from extproc.metrics import Metrics
-from extproc.server import Service
-from tests.test_server import Stream, admit_one, body, chat, headers
+from tests.extproc_client import Stream, admit_one, body, chat, headers, serving
 
 
 @pytest.fixture(autouse=True)
@@ -103,34 +101,23 @@ def test_a_window_of_rejections_recommends_scaling_up_and_publishes_it() -> None
 
 
 async def test_server_serves_its_recommendation_to_keda() -> None:
-    svc = Service(config.from_mapping({
+    async with serving({
         "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "keda_listen": "127.0.0.1:0",
         "pools": [{"name": "llama", "replicas": 1, "max_running": 2}],
         "autoscale": {"window_s": 0.2, "min_replicas": 1, "max_replicas": 8},
-    }))
-    await svc.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}") as channel:
-            held = [await admit_one(channel_stub(channel), 500) for _ in range(2)]
-            for _ in range(25):  # overload: every further request is refused
-                s = Stream(channel_stub(channel))
-                await s.send(headers())
-                assert (await s.send(body(chat(500)))).immediate_response.status.code == 429
-            await asyncio.sleep(0.5)  # at least one control window
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.keda_port}") as keda:
-                scaler = kpb_grpc.ExternalScalerStub(keda)
-                ref = kpb.ScaledObjectRef(name="vllm", namespace="ns",
-                                          scalerMetadata={"pool": "llama"})
-                got = await scaler.GetMetrics(kpb.GetMetricsRequest(
-                    scaledObjectRef=ref, metricName=metric_name("llama")))
-            for s in held:
-                await s.close()
-        assert got.metricValues[0].metricValue >= 2  # up from the single ready replica
-    finally:
-        await svc.stop()
-
-
-def channel_stub(channel: grpc.aio.Channel) -> Any:
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
-    return pb_grpc.ExternalProcessorStub(channel)
+    }) as (svc, stub):
+        held = [await admit_one(stub, 500) for _ in range(2)]
+        for _ in range(25):  # overload: every further request is refused
+            s = Stream(stub)
+            await s.send(headers())
+            assert (await s.send(body(chat(500)))).immediate_response.status.code == 429
+        await asyncio.sleep(0.5)  # at least one control window
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.keda_port}") as keda:
+            scaler = kpb_grpc.ExternalScalerStub(keda)
+            ref = kpb.ScaledObjectRef(name="vllm", namespace="ns",
+                                      scalerMetadata={"pool": "llama"})
+            got = await scaler.GetMetrics(kpb.GetMetricsRequest(
+                scaledObjectRef=ref, metricName=metric_name("llama")))
+        for s in held:
+            await s.close()
+    assert got.metricValues[0].metricValue >= 2  # up from the single ready replica

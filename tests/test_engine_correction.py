@@ -19,10 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import config
 from extproc.admission import Snapshot
@@ -35,7 +33,7 @@ from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
 from extproc.server import Service
 from extproc.stack import LocalStack, Process, free_port, scrape, wait_http
-from tests.extproc_client import Stream, body, chat, headers
+from tests.extproc_client import Stream, body, chat, headers, serving
 
 FAST = {"interval_s": 0.1, "timeout_s": 0.3, "max_age_s": 1.0}  # max_age >= interval + timeout
 BYPASSING = 6  # requests sent straight to the engine: 1 runs (max_running 1), 5 wait
@@ -76,19 +74,6 @@ def other_backend(tmp_path: Path) -> Iterator[tuple[str, Process]]:
 async def end_streams() -> AsyncIterator[None]:
     yield
     await Stream.end_all()
-
-
-@asynccontextmanager
-async def serving(settings: dict[str, Any]) -> AsyncIterator[tuple[Service, Any]]:
-    """A started ``Service`` and an ext_proc stub on its gRPC port; stopped on exit."""
-    svc = Service(config.from_mapping(settings))
-    await svc.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}") as channel:
-            yield svc, pb_grpc.ExternalProcessorStub(channel)
-    finally:
-        await Stream.end_all()
-        await svc.stop()
 
 
 @asynccontextmanager

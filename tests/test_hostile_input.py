@@ -27,7 +27,7 @@ from extproc import config
 from extproc.server import Service
 from extproc.stack import LocalStack
 from tests.conftest import pool
-from tests.extproc_client import Stream, body, headers
+from tests.extproc_client import Stream, body, headers, serving
 
 CHAT = "/v1/chat/completions"
 CANARY = "CANARY-HOSTILE-93c1"
@@ -48,12 +48,6 @@ async def service() -> AsyncIterator[Service]:
     await svc.start()
     yield svc
     await svc.stop()
-
-
-@pytest.fixture
-async def stub(service: Service) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
-        yield pb_grpc.ExternalProcessorStub(channel)
 
 
 @pytest.fixture(autouse=True)
@@ -257,39 +251,33 @@ async def test_a_compressed_body_is_415_naming_its_coding_by_default(
 
 
 async def test_decode_mode_reads_gzip_and_refuses_bombs_and_garbage() -> None:
-    svc = Service(config.from_mapping(settings(content_encoding="decode",
-                                               max_body_bytes=MIB, max_inflation_ratio=20)))
-    await svc.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}") as channel:
-            stub = pb_grpc.ExternalProcessorStub(channel)
-            gz = {"content-encoding": "gzip"}
-            assert (await ask(stub, gzip.compress(msg(max_tokens=5)), **gz)
-                    ).HasField("request_body")
-            assert (await ask(stub, zlib.compress(msg(max_tokens=5)),
-                              **{"content-encoding": "deflate"})).HasField("request_body")
-            # decoded, then parsed: invalid JSON inside gzip is still our 400
-            status, _, error = refusal(await ask(stub, gzip.compress(msg(CANARY)[:-3]), **gz))
-            assert (status, error["code"]) == (400, "invalid_json")
-            bomb = gzip.compress(b"[" * (16 * MIB), 9)  # 16 MiB in ~16 KiB
-            started = time.perf_counter()
-            status, hdrs, error = refusal(await ask(stub, bomb, **gz))
-            assert time.perf_counter() - started < 1.0
-            assert (status, error["code"]) == (413, "inflation_ratio_exceeded")
-            assert hdrs["x-admission-reason"] == "body_too_large"
-            # ~2x compressible: within the ratio, over the 1 MiB cap once inflated
-            within_ratio = gzip.compress(msg(os.urandom(768 * 1024).hex()))
-            assert len(within_ratio) < MIB
-            status, _, error = refusal(await ask(stub, within_ratio, **gz))
-            assert (status, error["code"]) == (413, "request_too_large")
-            status, _, error = refusal(await ask(stub, b"\x1f\x8b garbage", **gz))
-            assert (status, error["code"]) == (400, "invalid_encoding")
-            status, _, error = refusal(await Stream(stub).send(
-                headers(**{"content-encoding": "gzip, gzip"})))
-            assert (status, error["code"]) == (415, "unsupported_content_encoding")
+    async with serving(settings(content_encoding="decode", max_body_bytes=MIB,
+                                max_inflation_ratio=20)) as (svc, stub):
+        gz = {"content-encoding": "gzip"}
+        assert (await ask(stub, gzip.compress(msg(max_tokens=5)), **gz)
+                ).HasField("request_body")
+        assert (await ask(stub, zlib.compress(msg(max_tokens=5)),
+                          **{"content-encoding": "deflate"})).HasField("request_body")
+        # decoded, then parsed: invalid JSON inside gzip is still our 400
+        status, _, error = refusal(await ask(stub, gzip.compress(msg(CANARY)[:-3]), **gz))
+        assert (status, error["code"]) == (400, "invalid_json")
+        bomb = gzip.compress(b"[" * (16 * MIB), 9)  # 16 MiB in ~16 KiB
+        started = time.perf_counter()
+        status, hdrs, error = refusal(await ask(stub, bomb, **gz))
+        assert time.perf_counter() - started < 1.0
+        assert (status, error["code"]) == (413, "inflation_ratio_exceeded")
+        assert hdrs["x-admission-reason"] == "body_too_large"
+        # ~2x compressible: within the ratio, over the 1 MiB cap once inflated
+        within_ratio = gzip.compress(msg(os.urandom(768 * 1024).hex()))
+        assert len(within_ratio) < MIB
+        status, _, error = refusal(await ask(stub, within_ratio, **gz))
+        assert (status, error["code"]) == (413, "request_too_large")
+        status, _, error = refusal(await ask(stub, b"\x1f\x8b garbage", **gz))
+        assert (status, error["code"]) == (400, "invalid_encoding")
+        status, _, error = refusal(await Stream(stub).send(
+            headers(**{"content-encoding": "gzip, gzip"})))
+        assert (status, error["code"]) == (415, "unsupported_content_encoding")
         await ledger_is_empty(svc)
-    finally:
-        await svc.stop()
 
 
 @pytest.mark.parametrize("length, expect", [
@@ -337,29 +325,22 @@ async def test_a_message_over_the_grpc_limit_is_refused_by_grpc_not_held() -> No
     a bigger message ends the stream at once with RESOURCE_EXHAUSTED (Envoy, which never
     sends one that big, would apply its failure mode), nothing is held, and the server
     serves the next stream."""
-    svc = Service(config.from_mapping(settings(max_body_bytes=64 * 1024)))
-    await svc.start()
-    try:
-        async with grpc.aio.insecure_channel(
-                f"127.0.0.1:{svc.grpc_port}",
-                options=[("grpc.max_send_message_length", 64 * MIB)]) as channel:
-            stub = pb_grpc.ExternalProcessorStub(channel)
-            s = Stream(stub)
-            await s.send(headers())
-            started = time.perf_counter()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await s.send(body(b"x" * (4 * MIB)))
-            assert time.perf_counter() - started < 1.0
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            for _ in range(100):
-                if svc.processor.open_streams == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert svc.processor.open_streams == 0
-            assert (await ask(stub, msg(max_tokens=5))).HasField("request_body")
+    async with serving(settings(max_body_bytes=64 * 1024),
+                       options=[("grpc.max_send_message_length", 64 * MIB)]) as (svc, stub):
+        s = Stream(stub)
+        await s.send(headers())
+        started = time.perf_counter()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await s.send(body(b"x" * (4 * MIB)))
+        assert time.perf_counter() - started < 1.0
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for _ in range(100):
+            if svc.processor.open_streams == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert svc.processor.open_streams == 0
+        assert (await ask(stub, msg(max_tokens=5))).HasField("request_body")
         await ledger_is_empty(svc)
-    finally:
-        await svc.stop()
 
 
 # ---- through real Envoy ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc import config
 from extproc.server import SERVICE_NAME, Service
 from extproc.stack import scrape
-from tests.extproc_client import Stream, admit_one, body, chat, headers
+from tests.extproc_client import Stream, admit_one, body, chat, headers, serving
 
 
 def settings(**extra: Any) -> dict[str, Any]:
@@ -32,12 +32,6 @@ async def service() -> AsyncIterator[Service]:
     await svc.start()
     yield svc
     await svc.stop()
-
-
-@pytest.fixture
-async def stub(service: Service) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
-        yield pb_grpc.ExternalProcessorStub(channel)
 
 
 @pytest.fixture(autouse=True)
@@ -143,20 +137,14 @@ async def test_client_deadline_header_tightens_and_bad_values_are_400(
 
 
 async def test_shadow_mode_counts_rejections_but_continues() -> None:
-    svc = Service(config.from_mapping(settings(mode="shadow")))
-    await svc.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}") as channel:
-            stub = pb_grpc.ExternalProcessorStub(channel)
-            streams = [await admit_one(stub, 500) for _ in range(4)]
-            assert await metric(svc, "extproc_admission_decisions_total", outcome="reject",
-                          mode="shadow") >= 1
-            assert (await svc.gate.ledger.snapshot("llama")).inflight == 4
-            for s in streams:
-                await s.close()
-            assert (await svc.gate.ledger.snapshot("llama")).inflight == 0
-    finally:
-        await svc.stop()
+    async with serving(settings(mode="shadow")) as (svc, stub):
+        streams = [await admit_one(stub, 500) for _ in range(4)]
+        assert await metric(svc, "extproc_admission_decisions_total", outcome="reject",
+                      mode="shadow") >= 1
+        assert (await svc.gate.ledger.snapshot("llama")).inflight == 4
+        for s in streams:
+            await s.close()
+        assert (await svc.gate.ledger.snapshot("llama")).inflight == 0
 
 
 async def test_health_serves_then_turns_not_serving_on_drain(service: Service) -> None:
