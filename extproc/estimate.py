@@ -220,8 +220,9 @@ class Configured:
 # Upper bounds of the histogram's buckets: ten per decade from 1 to 100,000 tokens.
 _GRID = tuple(round(10 ** (i / 10), 3) for i in range(51))
 
-# How long ``Observed`` remembers, in seconds: the e-folding time of the simulator's 0.99 per
-# 10 s sample (~16.6 min), so that a gateway scraping at any interval forgets as fast.
+# How long ``Observed`` remembers, in seconds: the e-folding time of forgetting 1% every 10 s
+# (~16.6 min). The gateway (per scrape round) and the simulator (per sample) both decay by
+# ``decay_factor`` of their interval, so they forget alike whatever the interval.
 OUTPUT_MEMORY_S = 10.0 / -math.log(0.99)
 
 

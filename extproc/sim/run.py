@@ -28,7 +28,7 @@ from typing import Any
 from extproc.admission import Capacity, Outcome, Policy, Reason
 from extproc.capacity import model_of
 from extproc.config import Config, Infeasible, Pool
-from extproc.estimate import Observed, cost_of, predictor_for
+from extproc.estimate import Observed, cost_of, decay_factor, predictor_for
 from extproc.fakebackend import EngineModel
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
@@ -40,7 +40,6 @@ from extproc.sim.policies import AdmissionPolicy
 from extproc.workload import Job
 
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL = range(5)
-OUTPUT_DECAY = 0.99  # per sample of the output-length histogram: forgets with a ~15 min memory
 
 
 @dataclass(frozen=True)
@@ -565,7 +564,7 @@ class Simulation:
                                         series.ready[-1] + series.starting[-1])
         self._sample = _Window()
         self._sample_latencies = []
-        self.outputs.decay(OUTPUT_DECAY)
+        self.outputs.decay(decay_factor(self.scenario.sample_s))
         self.ledger.expire()  # the sweeper: drops stale lease records (never a live entry)
         if progress is not None:
             progress(self.now, self.scenario.span_s)
