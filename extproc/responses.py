@@ -1,9 +1,13 @@
 """The one place where verdicts become Envoy answers.
 
 - continue: an empty ``CommonResponse`` for the phase that carried the decision;
-- 429 (overload): ``Retry-After`` in whole seconds, at least ``min_s``, from when the request
-  would fit, stretched by a random factor in [1, 1 + jitter] so that rejected clients do not
-  return together, capped at ``max_s`` (the OpenAI SDK ignores hints above 120 s);
+- 429 (overload): ``retry-after-ms`` and ``Retry-After`` (its ceiling in whole seconds) from
+  ``retry_delay_ms``: when the request would fit, at least ``min_s``, stretched by a random factor
+  in [1, 1 + jitter] so that rejected clients do not return together, capped at ``max_s`` (the
+  OpenAI SDK ignores hints above 120 s). Whole seconds alone undo the jitter: clients rejected
+  together round to the same one or two values and come back in waves. The official OpenAI
+  Python SDK reads the non-standard ``retry-after-ms`` first, so it keeps the spread; clients
+  that know only ``Retry-After`` wait its ceiling, never less than the millisecond value;
 - 4xx (the request itself is unusable): ``x-should-retry: false``, since retrying cannot help.
 
 Every answer we make ourselves has an OpenAI-style JSON error body and an
@@ -37,10 +41,29 @@ _OVERLOAD_MESSAGES = {
 }
 
 
+def retry_delay_ms(retry_after_ms: float | None, rules: RetryAfter, rng: random.Random) -> int:
+    """When a rejected client should come back, in whole milliseconds:
+
+        ceil(min(max_s x 1000, max(hint, min_s x 1000) x (1 + U x jitter))),  U in [0, 1)
+
+    ``hint`` is the decision's ``retry_after_ms`` (when the request would fit; none: 0). The floor
+    is applied before the spread, so requests rejected together with a small hint (or none) still
+    return at different times, up to ``jitter x min_s`` apart; the cap comes last, and also takes
+    a hint that is not a finite number.
+    """
+    floor_ms = rules.min_s * 1000.0
+    base_ms = max(retry_after_ms or 0.0, floor_ms)
+    spread_ms = base_ms * (1.0 + rng.random() * rules.jitter)
+    return math.ceil(min(rules.max_s * 1000.0, spread_ms))
+
+
 def retry_after_s(retry_after_ms: float | None, rules: RetryAfter, rng: random.Random) -> int:
-    base = (retry_after_ms or 0.0) / 1000.0
-    stretched = base * (1.0 + rng.random() * rules.jitter)
-    return max(rules.min_s, min(rules.max_s, math.ceil(stretched)))
+    """``Retry-After`` in whole seconds: the ceiling of ``retry_delay_ms``, in [min_s, max_s]."""
+    return _ceil_s(retry_delay_ms(retry_after_ms, rules, rng))
+
+
+def _ceil_s(ms: int) -> int:
+    return -(-ms // 1000)
 
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
@@ -72,11 +95,13 @@ def continue_body() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
-def overloaded(reason: Reason, retry_s: int) -> pb.ProcessingResponse:
+def overloaded(reason: Reason, retry_ms: int) -> pb.ProcessingResponse:
+    """The 429 for a delay from ``retry_delay_ms``: both headers say the same time."""
+    retry_s = _ceil_s(retry_ms)
     message = _OVERLOAD_MESSAGES.get(reason, "The model is at capacity.")
     body = error_body(f"{message} Retry after {retry_s} seconds.", "overloaded_error", reason.value)
-    return _immediate(429, body, {"retry-after": str(retry_s), REASON_HEADER: reason.value,
-                                  "x-should-retry": "true"})
+    return _immediate(429, body, {"retry-after-ms": str(retry_ms), "retry-after": str(retry_s),
+                                  REASON_HEADER: reason.value, "x-should-retry": "true"})
 
 
 def refused(error: RequestError, reason: Reason) -> pb.ProcessingResponse:

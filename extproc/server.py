@@ -246,8 +246,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if verdict.error is not None:
             return responses.refused(verdict.error, verdict.reason), verdict
         retry_ms = verdict.decision.retry_after_ms if verdict.decision else None
-        retry_s = responses.retry_after_s(retry_ms, self.config.retry_after, self.rng)
-        return responses.overloaded(verdict.reason, retry_s), verdict
+        delay_ms = responses.retry_delay_ms(retry_ms, self.config.retry_after, self.rng)
+        return responses.overloaded(verdict.reason, delay_ms), verdict
 
 
 def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:
