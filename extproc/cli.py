@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Sequence
 
 from extproc import config as config_mod
+from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
 
 
@@ -43,17 +45,22 @@ def _fake_backend(args: argparse.Namespace) -> int:
     from extproc import fakebackend, logs
 
     logs.setup(args.log_level)
-    engine = fakebackend.EngineModel(
-        max_running=args.max_running,
-        prefill_ms_per_token=args.prefill_ms_per_token,
-        itl_ms_at_1=args.itl_ms_at_1,
-        itl_ms_per_running=args.itl_ms_per_running,
-        kv_cache_tokens=args.kv_cache_tokens,
-        time_scale=args.time_scale,
-    )
+    base = PRESETS[args.preset]
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineModel)
+              if getattr(args, f.name) is not None}
+    if args.kv_cache_tokens is not None:
+        values["num_gpu_blocks"] = -(-args.kv_cache_tokens // values.get("block_size",
+                                                                        base.block_size))
+    try:
+        engine = dataclasses.replace(base, **values)
+        if args.replicas < 1 or args.time_scale < 0:
+            raise ValueError("--replicas must be >= 1 and --time-scale >= 0")
+    except ValueError as exc:
+        raise ConfigError([f"fake-backend: {exc}"]) from exc
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(fakebackend.serve(args.host, args.port, engine, replicas=args.replicas,
-                                      model_name=args.model, seed=args.seed))
+                                      model_name=args.model, seed=args.seed,
+                                      time_scale=args.time_scale))
     return 0
 
 
@@ -130,12 +137,21 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--host", default="127.0.0.1")
     f.add_argument("--port", type=int, default=8000)
     f.add_argument("--replicas", type=int, default=1)
-    f.add_argument("--max-running", type=int, default=16)
-    f.add_argument("--prefill-ms-per-token", type=float, default=0.08)
-    f.add_argument("--itl-ms-at-1", type=float, default=18.6)
-    f.add_argument("--itl-ms-per-running", type=float, default=0.84)
-    f.add_argument("--kv-cache-tokens", type=int, default=0)
-    f.add_argument("--time-scale", type=float, default=1.0)
+    f.add_argument("--preset", choices=sorted(PRESETS), default="llama-70b-fp8-2xh100",
+                   help="the engine model the flags below change (extproc.engine)")
+    for field in dataclasses.fields(EngineModel):
+        flag = "--" + field.name.replace("_", "-")
+        if field.name == "prefix_caching":
+            f.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            continue
+        names = [flag, "--max-running"] if field.name == "max_num_seqs" else [flag]
+        f.add_argument(*names, dest=field.name, default=None,
+                       type=float if isinstance(getattr(EngineModel, field.name), float)
+                       else int)
+    f.add_argument("--kv-cache-tokens", type=int,
+                   help="the KV cache in tokens (sets --num-gpu-blocks)")
+    f.add_argument("--time-scale", type=float, default=1.0,
+                   help="stretch every step by this factor (0.1: ten times faster)")
     f.add_argument("--model", default="fake-llm")
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(func=_fake_backend)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import yaml
 
 from extproc.autoscale import ScalingPolicy
+from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
 
 T = TypeVar("T")
@@ -87,15 +88,12 @@ class EngineMetricsConfig:
 
 @dataclass(frozen=True)
 class Pool:
-    """Replicas serving one model, and the coefficients of their cost model."""
+    """Replicas serving one model, and the model of one replica (``extproc.engine``)."""
 
     name: str
     models: tuple[str, ...] = ("*",)
     replicas: int = 1
-    max_running: int = 16
-    prefill_ms_per_token: float = 0.08
-    itl_ms_at_1: float = 18.6
-    itl_ms_per_running: float = 0.84
+    engine: EngineModel = field(default_factory=EngineModel)
     default_max_tokens: int = 512
     tokenizer: str | None = None
     bytes_per_token: float = 4.0
@@ -717,12 +715,7 @@ def _pools(r: _Reader, raw: Any) -> tuple[Pool, ...]:
             name=r.take(body, p, "name", str, f"pool{i}", lambda v: None if v else "required"),
             models=tuple(models),
             replicas=r.take(body, p, "replicas", int, d.replicas, _non_negative),
-            max_running=r.take(body, p, "max_running", int, d.max_running, _positive),
-            prefill_ms_per_token=r.take(body, p, "prefill_ms_per_token", float,
-                                        d.prefill_ms_per_token, _non_negative),
-            itl_ms_at_1=r.take(body, p, "itl_ms_at_1", float, d.itl_ms_at_1, _positive),
-            itl_ms_per_running=r.take(body, p, "itl_ms_per_running", float,
-                                      d.itl_ms_per_running, _non_negative),
+            engine=_engine(r, body, p),
             default_max_tokens=r.take(body, p, "default_max_tokens", int,
                                       d.default_max_tokens, _positive),
             tokenizer=tokenizer or None,
@@ -758,6 +751,38 @@ def _output_lengths(r: _Reader, body: dict[str, Any], p: str) -> dict[str, Any]:
 
 
 FROM_CAPACITY = "from_capacity"
+
+# Pool keys of the first cost model, now in the engine section under vLLM's names.
+_MOVED_TO_ENGINE = {"max_running": "max_num_seqs", "prefill_ms_per_token": "ms_per_token",
+                    "itl_ms_at_1": "step_base_ms", "itl_ms_per_running": "ms_per_seq"}
+_ENGINE_COUNTS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len")
+
+
+def _engine(r: _Reader, pool: dict[str, Any], p: str) -> EngineModel:
+    """A pool's ``engine`` section: a ``preset`` (default ``llama-70b-fp8-2xh100``) and any
+    field of ``EngineModel`` over it, each named as vLLM names it."""
+    for old, new in _MOVED_TO_ENGINE.items():
+        if old in pool:
+            pool.pop(old)
+            r.problems.append(f"{p}{old}: moved to {p}engine.{new} (see extproc.engine)")
+    q = f"{p}engine."
+    body = r.section(pool.pop("engine", None), q.rstrip("."))
+    preset = r.take(body, q, "preset", str, "llama-70b-fp8-2xh100",
+                    lambda v: None if v in PRESETS else f"must be one of {sorted(PRESETS)}")
+    base = PRESETS.get(preset, EngineModel())
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineModel):
+        default = getattr(base, f.name)
+        if f.name == "prefix_caching":
+            values[f.name] = r.take(body, q, f.name, _flag, default)
+        elif f.name in _ENGINE_COUNTS:
+            values[f.name] = r.take(body, q, f.name, int, default, _positive)
+        elif f.name == "num_gpu_blocks":
+            values[f.name] = r.take(body, q, f.name, int, default, _non_negative)
+        else:
+            values[f.name] = r.take(body, q, f.name, float, default, _non_negative)
+    r.leftovers(body, q)
+    return EngineModel(**values)
 
 
 def _engine_metrics(r: _Reader, raw: Any, p: str) -> EngineMetricsConfig | None:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.resources
 import json
 import signal
@@ -69,8 +70,9 @@ from typing import Any, TextIO
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import loadgen
-from extproc.capacity import model_of
 from extproc.config import Pool
+from extproc.engine import LLAMA_70B_FP8_2XH100
+from extproc.fakebackend import engine_flags
 from extproc.stack import LocalStack, scrape
 
 BACKENDS = 2
@@ -97,10 +99,7 @@ def tokenizer_path() -> str | None:
 
 def capacity_rps(pool: Pool, lengths: loadgen.Lengths, time_scale: float = 1.0) -> float:
     """Completions per second of the pool at a full batch (see the module docstring)."""
-    batch = pool.max_running
-    itl_ms = model_of(pool, pool.replicas).itl_ms(batch)
-    per_request_ms = (lengths.mean_output() * itl_ms / batch
-                      + lengths.mean_prompt() * pool.prefill_ms_per_token)
+    per_request_ms = pool.engine.request_ms(lengths.mean_prompt(), lengths.mean_output())
     return pool.replicas * 1000.0 / (per_request_ms * time_scale)
 
 
@@ -108,10 +107,7 @@ def settings(mode: str, pool: Pool, time_scale: float) -> dict[str, Any]:
     """``extproc serve`` settings: one pool for every model, the latency class scaled."""
     spec: dict[str, Any] = {
         "name": pool.name, "models": list(pool.models), "replicas": pool.replicas,
-        "max_running": pool.max_running,
-        "prefill_ms_per_token": pool.prefill_ms_per_token * time_scale,
-        "itl_ms_at_1": pool.itl_ms_at_1 * time_scale,
-        "itl_ms_per_running": pool.itl_ms_per_running * time_scale,
+        "engine": dataclasses.asdict(pool.engine.scaled(time_scale)),
     }
     if pool.tokenizer:
         spec["tokenizer"] = pool.tokenizer
@@ -126,11 +122,7 @@ def settings(mode: str, pool: Pool, time_scale: float) -> dict[str, Any]:
 
 def backend_args(pool: Pool, time_scale: float) -> list[str]:
     """Fake-backend flags with the very timing the pool's cost model assumes."""
-    return ["--max-running", str(pool.max_running),
-            "--prefill-ms-per-token", str(pool.prefill_ms_per_token),
-            "--itl-ms-at-1", str(pool.itl_ms_at_1),
-            "--itl-ms-per-running", str(pool.itl_ms_per_running),
-            "--time-scale", str(time_scale), "--model", MODEL]
+    return [*engine_flags(pool.engine), "--time-scale", str(time_scale), "--model", MODEL]
 
 
 @dataclass
@@ -388,7 +380,8 @@ def main(duration_s: float = 40.0, rate_x: float = 3.0, workdir: str = ".demo", 
     out = out or sys.stdout
     began = time.monotonic()
     tokenizer = tokenizer_path()
-    pool = Pool(name="llama", models=("*",), replicas=BACKENDS, max_running=MAX_RUNNING,
+    engine = dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=MAX_RUNNING)
+    pool = Pool(name="llama", models=("*",), replicas=BACKENDS, engine=engine,
                 tokenizer=tokenizer)
     lengths = loadgen.Lengths(max_tokens=MAX_TOKENS)
     capacity = capacity_rps(pool, lengths, time_scale)
@@ -396,12 +389,12 @@ def main(duration_s: float = 40.0, rate_x: float = 3.0, workdir: str = ".demo", 
     workload = loadgen.Workload.generate(offered, duration_s, seed=seed, lengths=lengths)
     timeout_s = TIMEOUT_S * time_scale
     deadline_s = DEADLINE_S * time_scale
-    itl_full = model_of(pool, pool.replicas).itl_ms(pool.max_running)
+    itl_full = engine.itl_ms(MAX_RUNNING, lengths.mean_prompt())
     print("extproc demo: the same burst without admission (mode shadow) and with it (enforce)",
           file=out)
-    print(f"  fleet      {pool.replicas} fake replicas x {pool.max_running} slots, Llama-3.3-70B"
-          f" timing (itl {pool.itl_ms_at_1} ms at 1, {itl_full:.1f} ms at {pool.max_running};"
-          f" prefill {pool.prefill_ms_per_token} ms/token), time scale {time_scale:g}", file=out)
+    print(f"  fleet      {pool.replicas} fake replicas x {MAX_RUNNING} slots, Llama-3.3-70B"
+          f" timing (itl {engine.itl_ms(1):.1f} ms at 1, {itl_full:.1f} ms at {MAX_RUNNING};"
+          f" prefill {engine.ms_per_token} ms/token), time scale {time_scale:g}", file=out)
     print(f"  capacity   {capacity:.2f} req/s at a full batch (mean prompt"
           f" {lengths.mean_prompt():.0f}, mean output {lengths.mean_output():.0f} tokens)",
           file=out)

@@ -1,44 +1,42 @@
-"""A fake OpenAI-compatible inference server whose timing follows continuous batching.
+"""A fake OpenAI-compatible inference server whose timing is the project's engine model.
 
-It stands in for vLLM in tests, the demo and benchmarks. Each replica is one ``Engine``: a FIFO
-waiting queue and a scheduler loop that runs in steps. One step:
+It stands in for vLLM in tests, the demo and benchmarks. Each replica is one ``Engine``: the
+scheduler of ``extproc.engine`` (vLLM V1's rules: a token budget per step, chunked prefill, KV
+blocks allocated as sequences grow, preemption by recomputation) run in real time: a step
+sleeps its ``step_ms`` times ``time_scale`` to an absolute deadline (timer granularity, ~1 ms,
+does not add up at a small ``time_scale``), then every sequence that completed its prompt gets
+its next token. The simulator runs the same scheduler in virtual time, so what a test sees
+here is what the simulator predicts.
 
-1. admits waiting sequences, oldest first, while ``running < max_running`` and the KV budget
-   allows (a sequence that does not fit blocks those behind it, as in vLLM);
-2. lasts ``step_ms = prefill_ms_per_token * (prompt tokens admitted) + itl(b)`` times
-   ``time_scale``, where ``b`` is the running count and
-   ``itl(b) = itl_ms_at_1 + itl_ms_per_running * (b - 1)``;
-3. then emits one token to every running sequence; a sequence leaves with its last token.
-
-So a lone request of ``P`` prompt and ``N`` output tokens takes ``P * prefill + N * itl(1)``, and
-a request behind a full batch waits for the first of that batch to finish. Steps sleep to an
-absolute deadline, so timer granularity (~1 ms) does not add up at small ``time_scale``.
-
-KV budget (``kv_cache_tokens``, 0 = unlimited): ``sum(prompt + generated)`` of running sequences
-stays under it because admission reserves ``prompt + output`` up front; nothing is preempted,
-and a request that could never fit gets a 400. A request whose client goes away leaves waiting or
-running at once, freeing its slot as vLLM's abort does; serve the app with
-``handler_cancellation=True`` (``serve`` and aiohttp's ``TestServer`` do) so a disconnect is seen
-before anything is written. With ``replicas > 1`` a request joins the replica with the fewest
-running + waiting. ``/metrics`` uses vLLM's names summed over replicas; the latency and
-output-length (``vllm:request_generation_tokens``) histograms count completed requests only.
+A request whose prompt and output could never fit (``max_model_len``, or the whole KV cache)
+gets a 400, as vLLM answers. A request whose client goes away leaves the waiting queue at once
+and the batch at the next step, freeing its blocks as vLLM's abort does; serve the app with
+``handler_cancellation=True`` (``serve`` and aiohttp's ``TestServer`` do) so a disconnect is
+seen before anything is written. With ``replicas > 1`` a request joins the replica with the
+fewest running + waiting. ``/metrics`` uses vLLM's names summed over replicas (with
+``vllm:cache_config_info`` carrying ``block_size`` and ``num_gpu_blocks`` as labels, as vLLM
+does); the latency and output-length (``vllm:request_generation_tokens``) histograms count
+completed requests only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from extproc.engine import EngineModel, Scheduler, Sequence
 from extproc.errors import BadRequest
 
 TOKEN_TEXT = " tok"
@@ -50,122 +48,106 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
-@dataclass(frozen=True)
-class EngineModel:
-    """Timing of one replica; the defaults are Llama-3.3-70B FP8 on 2xH100."""
-
-    max_running: int = 16
-    prefill_ms_per_token: float = 0.08
-    itl_ms_at_1: float = 18.6
-    itl_ms_per_running: float = 0.84
-    kv_cache_tokens: int = 0
-    time_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        errors = []
-        if self.max_running < 1:
-            errors.append(f"max_running must be >= 1, got {self.max_running}")
-        for name in ("prefill_ms_per_token", "itl_ms_at_1", "itl_ms_per_running",
-                     "kv_cache_tokens", "time_scale"):
-            if getattr(self, name) < 0:
-                errors.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    def itl_ms(self, running: int) -> float:
-        """Inter-token latency: ``itl(b) = itl_ms_at_1 + itl_ms_per_running * (b - 1)``."""
-        return self.itl_ms_at_1 + self.itl_ms_per_running * (running - 1)
-
-
-@dataclass(eq=False)
-class Sequence:
+class Request(Sequence):
     """One request inside an engine; times are ``loop.time()`` seconds."""
 
-    prompt_tokens: int
-    output_tokens: int
-    arrived: float
-    generated: int = 0
-    admitted: float = 0.0
-    first_token: float = 0.0
-    finished: float = 0.0
-    tokens: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # index of each new token
+    __slots__ = ("admitted", "arrived", "finished", "first_token", "tokens")
 
-    @property
-    def footprint(self) -> int:
-        """KV tokens the sequence holds when done: ``prompt + output``."""
-        return self.prompt_tokens + self.output_tokens
+    def __init__(self, prompt_tokens: int, output_tokens: int, arrived: float) -> None:
+        super().__init__(prompt_tokens, output_tokens)
+        self.arrived = arrived
+        self.admitted = 0.0
+        self.first_token = 0.0
+        self.finished = 0.0
+        self.tokens: asyncio.Queue[int] = asyncio.Queue()  # index of each new token
 
 
 class Engine:
-    """One replica's continuous-batching scheduler (see the module docstring)."""
+    """One replica: ``extproc.engine.Scheduler`` stepped in real time."""
 
-    def __init__(self, model: EngineModel) -> None:
+    def __init__(self, model: EngineModel, time_scale: float = 1.0) -> None:
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
         self.model = model
-        self.waiting: dict[Sequence, None] = {}  # an ordered set: FIFO with O(1) removal
-        self.running: dict[Sequence, None] = {}
+        self.time_scale = time_scale
+        self.sched = Scheduler(model)
+        self.preemptions = 0
         self._wake = asyncio.Event()
 
     @property
+    def running(self) -> list[Sequence]:
+        return self.sched.running
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return list(self.sched.waiting)
+
+    @property
     def load(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.sched.running) + len(self.sched.waiting)
 
     def kv_used(self) -> int:
-        """Tokens in the KV cache: ``sum(prompt + generated)`` over running sequences."""
-        return sum(s.prompt_tokens + s.generated for s in self.running)
+        """Tokens' worth of KV blocks in use."""
+        return self.sched.kv_used_blocks * self.model.block_size
 
-    def submit(self, seq: Sequence) -> None:
-        """Queue ``seq``; BadRequest if it could never fit the KV budget."""
-        budget = self.model.kv_cache_tokens
-        if budget and seq.footprint > budget:
-            raise BadRequest(f"prompt + output ({seq.footprint} tokens) exceed the KV cache "
-                             f"({budget} tokens)")
-        self.waiting[seq] = None
+    def submit(self, seq: Request) -> None:
+        """Queue ``seq``; BadRequest if it could never run (vLLM's 400)."""
+        if not self.sched.fits_alone(seq):
+            limit = min(self.model.max_model_len, self.model.kv_tokens or self.model.max_model_len)
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you"
+                f" requested {seq.prompt_tokens + seq.output_tokens} tokens"
+                f" ({seq.prompt_tokens} in the messages, {seq.output_tokens} in the"
+                " completion).", code="context_length_exceeded")
+        self.sched.add(seq)
         self._wake.set()
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Request) -> None:
         """Drop ``seq`` wherever it is; a no-op once it has finished."""
-        self.waiting.pop(seq, None)
-        self.running.pop(seq, None)
-
-    def _admit(self, now: float) -> int:
-        """Move waiting sequences into the batch, FIFO; return the prompt tokens to prefill."""
-        budget, prefill = self.model.kv_cache_tokens, 0
-        reserved = sum(s.footprint for s in self.running)
-        while self.waiting and len(self.running) < self.model.max_running:
-            seq = next(iter(self.waiting))
-            if budget and reserved + seq.footprint > budget:
-                break
-            del self.waiting[seq]
-            self.running[seq] = None
-            seq.admitted = now
-            reserved += seq.footprint
-            prefill += seq.prompt_tokens
-        return prefill
+        self.sched.remove(seq)
 
     async def run(self) -> None:
         """The scheduler loop; it waits on an event while there is no work."""
-        loop, model = asyncio.get_running_loop(), self.model
+        loop = asyncio.get_running_loop()
         deadline = loop.time()
         while True:
-            if not self.load:
+            step = self.sched.schedule()
+            if step is None:
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = loop.time()
-            prefill = self._admit(loop.time())
-            if not self.running:
-                continue  # everything admitted was aborted during the last step
-            step_ms = prefill * model.prefill_ms_per_token + model.itl_ms(len(self.running))
-            deadline += step_ms * model.time_scale / 1000
-            await asyncio.sleep(deadline - loop.time())
+                continue
             now = loop.time()
-            for seq in list(self.running):
-                if seq.generated == 0:
-                    seq.first_token = now
-                seq.tokens.put_nowait(seq.generated)
-                seq.generated += 1
-                if seq.generated == seq.output_tokens:
+            for seq in step.joined:
+                if isinstance(seq, Request) and not seq.admitted:
+                    seq.admitted = now
+            self.preemptions += len(step.preempted)
+            deadline = max(deadline, now - 1.0) + step.duration_ms * self.time_scale / 1000
+            await asyncio.sleep(deadline - loop.time())
+            before = [s.generated for s in step.seqs]
+            finished = self.sched.complete(step)
+            now = loop.time()
+            for seq, gen in zip(step.seqs, before, strict=True):
+                if seq.generated > gen and isinstance(seq, Request):
+                    if gen == 0:
+                        seq.first_token = now
+                    seq.tokens.put_nowait(gen)
+            for seq in finished:
+                if isinstance(seq, Request):
                     seq.finished = now
-                    del self.running[seq]
+
+
+def engine_flags(model: EngineModel) -> list[str]:
+    """``fake-backend`` flags that give it ``model`` (the pool's engine, for the demo)."""
+    flags: list[str] = []
+    for f in dataclasses.fields(model):
+        value = getattr(model, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "prefix_caching":
+            flags.append(flag if value else "--no-prefix-caching")
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 @dataclass(frozen=True)
@@ -257,11 +239,12 @@ def _sse(payload: object) -> bytes:
 class _Backend:
     """The app's state (engines, metrics, health) and its request handlers."""
 
-    def __init__(self, model: EngineModel, replicas: int, model_name: str, seed: int) -> None:
-        self.engines = [Engine(model) for _ in range(replicas)]
+    def __init__(self, model: EngineModel, replicas: int, model_name: str, seed: int,
+                 time_scale: float) -> None:
+        self.engines = [Engine(model, time_scale) for _ in range(replicas)]
         self.model_name, self.healthy, self.rng = model_name, True, random.Random(seed)
         self.registry = CollectorRegistry()
-        self.kv_capacity = model.kv_cache_tokens * replicas
+        self.kv_capacity = model.kv_tokens * replicas
         labels, reg = ["model_name"], self.registry
 
         def gauge(name: str, doc: str, value: Callable[[], float]) -> None:
@@ -276,6 +259,10 @@ class _Backend:
               lambda: sum(len(e.waiting) for e in self.engines))
         gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (0 when unlimited).",
               self.kv_usage)
+        Gauge("vllm:cache_config_info", "Information of the KV cache configuration.",
+              ["block_size", "num_gpu_blocks"], registry=reg).labels(
+            str(model.block_size), str(model.num_gpu_blocks)).set(1)
+        reg.register(_Preemptions(self))
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.",
                               TTFT_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.",
@@ -308,7 +295,7 @@ class _Backend:
             call = _parse_call(await _read_json(request), chat)
             wanted = call.output_tokens or round(self.rng.lognormvariate(LENGTH_MU, LENGTH_SIGMA))
             loop_time = asyncio.get_running_loop().time()
-            seq = Sequence(call.prompt_tokens, max(1, min(wanted, call.max_tokens)), loop_time)
+            seq = Request(call.prompt_tokens, max(1, min(wanted, call.max_tokens)), loop_time)
             engine = min(self.engines, key=lambda e: e.load)
             engine.submit(seq)
         except BadRequest as exc:
@@ -335,11 +322,11 @@ class _Backend:
                 "created": int(time.time()), "model": self.model_name}
 
     @staticmethod
-    def _usage(seq: Sequence) -> dict[str, int]:
+    def _usage(seq: Request) -> dict[str, int]:
         return {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.output_tokens,
                 "total_tokens": seq.prompt_tokens + seq.output_tokens}
 
-    async def _whole(self, call: _Call, seq: Sequence, reason: str) -> web.StreamResponse:
+    async def _whole(self, call: _Call, seq: Request, reason: str) -> web.StreamResponse:
         """The non-streaming answer, once the last token is out."""
         for _ in range(seq.output_tokens):
             await seq.tokens.get()
@@ -347,7 +334,7 @@ class _Backend:
         answer = self._head(call) | {"choices": [choice], "usage": self._usage(seq)}
         return web.json_response(answer)
 
-    async def _stream(self, request: web.Request, call: _Call, seq: Sequence,
+    async def _stream(self, request: web.Request, call: _Call, seq: Request,
                       reason: str) -> web.StreamResponse:
         """Server-Sent Events: a chunk per token, a finish_reason chunk, [usage], ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -385,12 +372,27 @@ class _Backend:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+class _Preemptions:
+    """``vllm:num_preemptions_total``, summed over the replicas when scraped."""
+
+    def __init__(self, backend: _Backend) -> None:
+        self.backend = backend
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("vllm:num_preemptions", "Preemptions (recomputation).",
+                                     labels=["model_name"])
+        family.add_metric([self.backend.model_name],
+                          sum(e.preemptions for e in self.backend.engines))
+        yield family
+
+
 def build_app(model: EngineModel, *, replicas: int = 1, model_name: str = "fake-llm",
-              seed: int = 0) -> web.Application:
-    """The fake server as an aiohttp app; its ``replicas`` engines share one port and registry."""
+              seed: int = 0, time_scale: float = 1.0) -> web.Application:
+    """The fake server as an aiohttp app; its ``replicas`` engines share one port and registry.
+    ``time_scale`` stretches every step (0.1: ten times faster than the model)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
-    backend = _Backend(model, replicas, model_name, seed)
+    backend = _Backend(model, replicas, model_name, seed, time_scale)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.cleanup_ctx.append(backend.run_engines)
     app.add_routes([
@@ -404,9 +406,10 @@ def build_app(model: EngineModel, *, replicas: int = 1, model_name: str = "fake-
 
 
 async def serve(host: str, port: int, model: EngineModel, *, replicas: int = 1,
-                model_name: str = "fake-llm", seed: int = 0) -> None:
+                model_name: str = "fake-llm", seed: int = 0, time_scale: float = 1.0) -> None:
     """Serve the fake backend on ``host:port`` until cancelled."""
-    app = build_app(model, replicas=replicas, model_name=model_name, seed=seed)
+    app = build_app(model, replicas=replicas, model_name=model_name, seed=seed,
+                    time_scale=time_scale)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     try:

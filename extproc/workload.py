@@ -13,8 +13,10 @@ Formats and sources:
   carries no ``max_tokens``: pass the one the clients should send, or ``None``.
 - **JSONL** of our own, one job per line: ``{"arrival_s": 0.25, "prompt_tokens": 812,
   "max_tokens": 256, "output_tokens": 97, "class": "latency", "tenant": "a"}``
-  (``max_tokens``, ``class``, ``tenant`` and ``deadline_ms`` optional): ``read_jsonl`` and
-  ``write_jsonl``.
+  (``max_tokens``, ``class``, ``tenant``, ``deadline_ms`` optional; ``"prefix": KEY,
+  "prefix_tokens": N`` says that the prompt's first N tokens are those of earlier requests
+  with the same key, a conversation's history, which an engine's prefix cache may hold):
+  ``read_jsonl`` and ``write_jsonl``.
 - **Decision logs** written by ``extproc serve`` (see ``extproc.decisionlog``):
   ``read_decision_log`` turns each logged decision back into a job.
 - **Synthetic**, which the product ships and which never needs the shared traces: log-normal
@@ -27,6 +29,7 @@ Everything random takes a ``random.Random``: the same seed gives the same worklo
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -50,6 +53,8 @@ class Job:
     service_class: str = "latency"
     tenant: str = "default"
     deadline_ms: float | None = None  # a tighter deadline the client sends, if any
+    prefix_key: str | None = None  # requests that share a prompt prefix share this key ...
+    prefix_tokens: int = 0  # ... and this many leading prompt tokens (the engine may cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +206,7 @@ def read_azure(path: str | os.PathLike[str], *, rate_x: float = 1.0,
 
 
 def _shift(job: Job, by: float) -> Job:
-    return Job(job.arrival_s + by, job.prompt_tokens, job.output_tokens, job.max_tokens,
-               job.service_class, job.tenant, job.deadline_ms)
+    return dataclasses.replace(job, arrival_s=job.arrival_s + by)
 
 
 def _job_from(raw: Any, where: str) -> Job:
@@ -226,14 +230,19 @@ def _job_from(raw: Any, where: str) -> Job:
     output = number("output_tokens", int)
     max_tokens = number("max_tokens", int, required=False)
     deadline = number("deadline_ms", float, required=False)
+    shared = number("prefix_tokens", int, required=False)
     cls, tenant = raw.get("class", "latency"), raw.get("tenant", "default")
+    prefix = raw.get("prefix")
     if not isinstance(cls, str) or not isinstance(tenant, str):
         problems.append(f"{where}: class and tenant must be strings")
+    if prefix is not None and not isinstance(prefix, str):
+        problems.append(f"{where}: prefix must be a string")
     if problems:
         raise ConfigError(problems)
     return Job(arrival_s=arrival, prompt_tokens=max(1, prompt), output_tokens=max(1, output),
                max_tokens=max_tokens or None, service_class=cls, tenant=tenant,
-               deadline_ms=deadline or None)
+               deadline_ms=deadline or None, prefix_key=prefix,
+               prefix_tokens=min(shared or 0, max(1, prompt)) if prefix else 0)
 
 
 def read_jsonl(path: str | os.PathLike[str], *, rate_x: float = 1.0) -> list[Job]:
@@ -264,6 +273,8 @@ def write_jsonl(jobs: Iterable[Job], path: str | os.PathLike[str]) -> None:
             row["class"], row["tenant"] = j.service_class, j.tenant
             if j.deadline_ms is not None:
                 row["deadline_ms"] = j.deadline_ms
+            if j.prefix_key is not None:
+                row["prefix"], row["prefix_tokens"] = j.prefix_key, j.prefix_tokens
             f.write(json.dumps(row) + "\n")
 
 

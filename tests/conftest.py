@@ -32,8 +32,10 @@ async def stub(service: Service) -> AsyncIterator[pb_grpc.ExternalProcessorStub]
         await Stream.end_all()
 
 
-def pool(**overrides: Any) -> dict[str, Any]:
-    return {"name": "llama", "models": ["*"], "replicas": 1, "max_running": 4, **overrides}
+def pool(*, max_num_seqs: int = 4, **overrides: Any) -> dict[str, Any]:
+    """A pool's settings: one replica of ``max_num_seqs`` slots, the default engine."""
+    engine = {"max_num_seqs": max_num_seqs, **overrides.pop("engine", {})}
+    return {"name": "llama", "models": ["*"], "replicas": 1, "engine": engine, **overrides}
 
 
 @pytest.fixture

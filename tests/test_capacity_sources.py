@@ -24,12 +24,13 @@ from extproc.capacity import (
     envoy_hosts,
 )
 from extproc.config import Pool
+from extproc.engine import EngineModel
 from extproc.errors import ConfigError
 from extproc.stack import LocalStack, free_port
 from tests.conftest import pool
 
 DATA = Path(__file__).parent / "data"
-POOLS = [Pool(name="llama", max_running=4)]
+POOLS = [Pool(name="llama", engine=EngineModel(max_num_seqs=4))]
 
 
 class Clock:

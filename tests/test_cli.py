@@ -14,12 +14,12 @@ from extproc.stack import free_port, wait_http
 
 def test_bad_config_exits_2_naming_every_bad_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("mode: loud\npools:\n  - name: p\n    max_running: 0\n")
+    cfg.write_text("mode: loud\npools:\n  - name: p\n    engine: {max_num_seqs: 0}\n")
     result = subprocess.run([sys.executable, "-m", "extproc", "serve", "--config", str(cfg)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "mode: must be one of" in result.stderr
-    assert "pools[0].max_running: must be > 0 (got 0)" in result.stderr
+    assert "pools[0].engine.max_num_seqs: must be > 0 (got 0)" in result.stderr
     assert "Traceback" not in result.stderr
 
 

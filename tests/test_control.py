@@ -16,6 +16,7 @@ from extproc.autoscale import Direction, ScalingPolicy
 from extproc.capacity import StaticCapacity
 from extproc.config import Pool
 from extproc.control import Control
+from extproc.engine import EngineModel
 from extproc.gate import Ticket, Verdict
 from extproc.keda import metric_name
 from extproc.metrics import Metrics
@@ -38,7 +39,7 @@ class Clock:
 
 def control(clock: Clock, **policy: Any) -> tuple[Control, Metrics]:
     metrics = Metrics()
-    pools = [Pool(name="llama", replicas=2, max_running=2)]
+    pools = [Pool(name="llama", replicas=2, engine=EngineModel(max_num_seqs=2))]
     ctl = Control({"llama": ScalingPolicy(**policy)}, StaticCapacity(pools), metrics,
                   classes=("latency", "throughput"), window_s=15, clock=clock)
     return ctl, metrics
@@ -103,7 +104,7 @@ def test_a_window_of_rejections_recommends_scaling_up_and_publishes_it() -> None
 async def test_server_serves_its_recommendation_to_keda() -> None:
     async with serving({
         "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "keda_listen": "127.0.0.1:0",
-        "pools": [{"name": "llama", "replicas": 1, "max_running": 2}],
+        "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 2}}],
         "autoscale": {"window_s": 0.2, "min_replicas": 1, "max_replicas": 8},
     }) as (svc, stub):
         held = [await admit_one(stub, 500) for _ in range(2)]

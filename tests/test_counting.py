@@ -94,8 +94,9 @@ def test_calibration_learns_the_ratio_and_narrows_its_margin(
     assert cal.margin < wide and cal.margin <= 0.15
 
 
-def settings(**pool: Any) -> config.Config:
-    return config.from_mapping({"pools": [{"name": "llama", "replicas": 1, "max_running": 8,
+def settings(engine: dict[str, Any] | None = None, **pool: Any) -> config.Config:
+    return config.from_mapping({"pools": [{"name": "llama", "replicas": 1,
+                                           "engine": {"max_num_seqs": 8, **(engine or {})},
                                            "tokenizer": pool.pop("tokenizer"), **pool}]})
 
 
@@ -138,7 +139,8 @@ async def test_a_close_decision_waits_for_the_exact_count(llama3_tokenizer: str)
     # estimate's low end admits, its high end does not.
     text = prose(random.Random(4), 6500)
     tokens = TokenizerCounter(llama3_tokenizer).count([text])
-    cfg = settings(tokenizer=llama3_tokenizer, prefill_ms_per_token=1600.0 / tokens * 0.97)
+    cfg = settings(tokenizer=llama3_tokenizer,
+                   engine={"ms_per_token": 1600.0 / tokens * 0.97, "step_base_ms": 0.0})
     metrics = Metrics()
     gate = Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), metrics)
     route = cfg.route("/v1/chat/completions")

@@ -53,7 +53,7 @@ async def drain_under_load(stack: Any) -> dict[str, Any]:
 
 def test_sigterm_turns_not_serving_then_drains_without_5xx_then_exits(
         stack_factory: Any) -> None:
-    stack = stack_factory({"pools": [pool(replicas=1, max_running=4)], "drain_grace_s": GRACE_S},
+    stack = stack_factory({"pools": [pool(replicas=1, max_num_seqs=4)], "drain_grace_s": GRACE_S},
                           fail_open=False, backend_args=["--max-running", "8",
                                                          "--time-scale", "0.1"])
     run = asyncio.run(drain_under_load(stack))

@@ -40,7 +40,7 @@ BYPASSING = 6  # requests sent straight to the engine: 1 runs (max_running 1), 5
 
 
 def settings(engine_metrics: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    pool: dict[str, Any] = {"name": "llama", "replicas": 1, "max_running": 2}
+    pool: dict[str, Any] = {"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 2}}
     if engine_metrics is not None:
         pool["engine_metrics"] = engine_metrics
     return {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "pools": [pool],

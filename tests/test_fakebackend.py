@@ -20,22 +20,26 @@ from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.fakebackend import EngineModel, build_app
+from extproc.engine import EngineModel
+from extproc.fakebackend import build_app
 
 Client = TestClient[web.Request, web.Application]
-FAST = EngineModel(time_scale=0.01)
+DEFAULT = EngineModel()
 
 
-def flat(ms_per_token: float, **overrides: Any) -> EngineModel:
-    """A model whose every step takes ``ms_per_token`` whatever the batch, with no prefill."""
-    fields: dict[str, Any] = {"itl_ms_at_1": ms_per_token, "itl_ms_per_running": 0.0,
-                              "prefill_ms_per_token": 0.0} | overrides
+def flat(ms_per_step: float, **overrides: Any) -> EngineModel:
+    """A model whose every step takes ``ms_per_step`` whatever it holds, with no KV limit."""
+    fields: dict[str, Any] = {"step_base_ms": ms_per_step, "ms_per_token": 0.0,
+                              "ms_per_seq": 0.0, "ms_per_kv_token": 0.0,
+                              "ms_per_prefill_pair": 0.0, "num_gpu_blocks": 0} | overrides
     return EngineModel(**fields)
 
 
 @asynccontextmanager
-async def serving(model: EngineModel, **kwargs: Any) -> AsyncIterator[Client]:
-    async with TestClient(TestServer(build_app(model, **kwargs))) as client:
+async def serving(model: EngineModel = DEFAULT, time_scale: float = 0.01,
+                  **kwargs: Any) -> AsyncIterator[Client]:
+    app = build_app(model, time_scale=time_scale, **kwargs)
+    async with TestClient(TestServer(app)) as client:
         yield client
 
 
@@ -93,20 +97,14 @@ async def until(client: Client, check: Callable[[dict[str, float]], bool]) -> No
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 
 
-def test_defaults_reproduce_the_measured_inter_token_latency() -> None:
-    model = EngineModel()
-    assert model.itl_ms(1) == pytest.approx(18.6)
-    assert model.itl_ms(50) == pytest.approx(59.7, abs=0.2)
-
-
-def test_engine_model_reports_every_bad_value() -> None:
-    with pytest.raises(ValueError, match=r"max_running.*time_scale"):
-        EngineModel(max_running=0, time_scale=-1)
+def test_a_negative_time_scale_is_refused() -> None:
+    with pytest.raises(ValueError, match="time_scale"):
+        build_app(DEFAULT, time_scale=-1.0)
 
 
 @pytest.mark.asyncio
 async def test_chat_usage_counts_the_requested_output_tokens() -> None:
-    async with serving(FAST) as client:
+    async with serving() as client:
         answer = await post_json(client, chat(7))
     assert answer["object"] == "chat.completion"
     assert answer["usage"] == {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
@@ -116,7 +114,7 @@ async def test_chat_usage_counts_the_requested_output_tokens() -> None:
 
 @pytest.mark.asyncio
 async def test_completion_stops_at_max_tokens_with_finish_reason_length() -> None:
-    async with serving(FAST) as client:
+    async with serving() as client:
         body = {"model": "m", "prompt": "hello", "max_tokens": 5, "extproc_output_tokens": 50}
         answer = await post_json(client, body, "/v1/completions")
     assert answer["object"] == "text_completion"
@@ -127,7 +125,7 @@ async def test_completion_stops_at_max_tokens_with_finish_reason_length() -> Non
 @pytest.mark.asyncio
 async def test_drawn_output_lengths_are_seeded_and_capped() -> None:
     async def lengths(seed: int) -> list[int]:
-        async with serving(EngineModel(time_scale=0.0), seed=seed) as client:
+        async with serving(time_scale=0.0, seed=seed) as client:
             answers = [await post_json(client, chat(max_tokens=300)) for _ in range(6)]
         return [a["usage"]["completion_tokens"] for a in answers]
 
@@ -138,7 +136,7 @@ async def test_drawn_output_lengths_are_seeded_and_capped() -> None:
 
 @pytest.mark.asyncio
 async def test_stream_sends_one_chunk_per_token_then_done() -> None:
-    async with serving(FAST) as client:
+    async with serving() as client:
         events = await stream_events(client, chat(4))
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -152,7 +150,7 @@ async def test_stream_sends_one_chunk_per_token_then_done() -> None:
 
 @pytest.mark.asyncio
 async def test_third_request_waits_for_a_free_slot() -> None:
-    async with serving(flat(30, max_running=2, time_scale=0.1)) as client:  # 3 ms a token
+    async with serving(flat(30, max_num_seqs=2), time_scale=0.1) as client:  # 3 ms a token
         timings = await asyncio.gather(*(stream_timing(client, 30) for _ in range(3)))
     ttfts = sorted(first for first, _ in timings)
     shortest = min(last for _, last in timings)
@@ -162,8 +160,8 @@ async def test_third_request_waits_for_a_free_slot() -> None:
 
 @pytest.mark.asyncio
 async def test_inter_token_latency_grows_with_the_batch() -> None:
-    model = EngineModel(itl_ms_at_1=1.0, itl_ms_per_running=1.0, prefill_ms_per_token=0.0)
-    async with serving(model) as client:  # itl(1) = 1 ms, itl(8) = 8 ms
+    model = flat(0.0, ms_per_seq=1.0)
+    async with serving(model, time_scale=1.0) as client:  # itl(1) = 1 ms, itl(8) = 8 ms
         _, alone = await stream_timing(client, 20)
         batch = await asyncio.gather(*(stream_timing(client, 20) for _ in range(8)))
     assert min(last for _, last in batch) > 3 * alone
@@ -171,7 +169,8 @@ async def test_inter_token_latency_grows_with_the_batch() -> None:
 
 @pytest.mark.asyncio
 async def test_client_disconnect_mid_stream_frees_its_slot() -> None:
-    async with serving(flat(10, max_running=1)) as client:  # the stream alone would take 10 s
+    # the stream alone would take 10 s
+    async with serving(flat(10, max_num_seqs=1), time_scale=1.0) as client:
         body = chat(1000, max_tokens=1000, stream=True)
         stream = await client.post("/v1/chat/completions", json=body)
         await stream.content.readline()
@@ -186,7 +185,7 @@ async def test_client_disconnect_mid_stream_frees_its_slot() -> None:
 
 @pytest.mark.asyncio
 async def test_client_disconnect_while_waiting_leaves_the_queue() -> None:
-    async with serving(flat(10, max_running=1)) as client:
+    async with serving(flat(10, max_num_seqs=1), time_scale=1.0) as client:
         running = asyncio.create_task(post_json(client, chat(1000, max_tokens=1000)))
         await until(client, lambda m: m[RUNNING] == 1)
         waiting = asyncio.create_task(post_json(client, chat(3)))
@@ -201,7 +200,8 @@ async def test_client_disconnect_while_waiting_leaves_the_queue() -> None:
 
 @pytest.mark.asyncio
 async def test_kv_budget_holds_back_a_sequence_that_would_not_fit() -> None:
-    async with serving(flat(5, kv_cache_tokens=100)) as client:  # each call needs 40 + 20
+    model = flat(5, num_gpu_blocks=25, block_size=4)  # 100 tokens; each call needs 40 + 20
+    async with serving(model, time_scale=1.0) as client:
         calls = [asyncio.create_task(post_json(client, chat(20, content="x" * 160)))
                  for _ in range(2)]
         await until(client, lambda m: m[RUNNING] == 1 and m[WAITING] == 1)
@@ -212,7 +212,7 @@ async def test_kv_budget_holds_back_a_sequence_that_would_not_fit() -> None:
 
 @pytest.mark.asyncio
 async def test_replicas_share_the_load() -> None:
-    async with serving(flat(10, max_running=1), replicas=2) as client:
+    async with serving(flat(10, max_num_seqs=1), time_scale=1.0, replicas=2) as client:
         calls = [asyncio.create_task(post_json(client, chat(30))) for _ in range(2)]
         await until(client, lambda m: m[RUNNING] == 2)
         assert (await scrape(client))[WAITING] == 0
@@ -221,11 +221,14 @@ async def test_replicas_share_the_load() -> None:
 
 @pytest.mark.asyncio
 async def test_metrics_use_vllm_names() -> None:
-    async with serving(FAST, model_name="llama") as client:
+    async with serving(model_name="llama") as client:
         await post_json(client, chat(5))
         response = await client.get("/metrics")
         text = await response.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["vllm:cache_config_info"].samples[0].labels == {
+        "block_size": "16", "num_gpu_blocks": "12800"}
+    assert families["vllm:num_preemptions"].type == "counter"
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
                  "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
@@ -250,7 +253,7 @@ async def test_metrics_use_vllm_names() -> None:
     ("/v1/completions", json.dumps({"model": "m", "prompt": 3}).encode()),
 ])
 async def test_bad_requests_get_an_openai_error(path: str, data: bytes) -> None:
-    async with serving(FAST) as client:
+    async with serving() as client:
         response = await client.post(path, data=data, headers={"Content-Type": "application/json"})
         body = await response.json()
     assert response.status == 400
@@ -260,14 +263,41 @@ async def test_bad_requests_get_an_openai_error(path: str, data: bytes) -> None:
 
 @pytest.mark.asyncio
 async def test_request_larger_than_the_kv_cache_is_refused() -> None:
-    async with serving(flat(1, kv_cache_tokens=50)) as client:
+    async with serving(flat(1, num_gpu_blocks=5, block_size=10)) as client:
         response = await client.post("/v1/chat/completions", json=chat(45))  # 10 + 45 tokens
+        body = await response.json()
     assert response.status == 400
+    assert body["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_stalls_the_batch_for_its_chunk_and_no_longer() -> None:
+    # 1 ms a prompt token, budget 100 tokens a step: a 400-token prompt joining a decode
+    # stretches four of its steps by ~100 ms each, then decodes are fast again.
+    model = flat(1.0, ms_per_token=1.0, max_num_batched_tokens=100)
+    async with serving(model, time_scale=1.0) as client:
+        response = await client.post("/v1/chat/completions", json=chat(60, stream=True))
+        await response.content.readline()
+        gaps: list[float] = []
+        last = time.monotonic()
+        joiner = None
+        while line := await response.content.readline():
+            if not line.startswith(b"data: {"):
+                continue
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            if len(gaps) == 10:
+                joiner = asyncio.create_task(post_json(client, chat(2, content="x" * 1600)))
+        assert joiner is not None
+        await joiner
+    stalled = [g for g in gaps if g > 0.05]
+    assert 3 <= len(stalled) <= 5  # ceil(399 / 99) chunks beside the decode
 
 
 @pytest.mark.asyncio
 async def test_health_can_be_switched_off_and_on() -> None:
-    async with serving(FAST) as client:
+    async with serving() as client:
         assert (await client.get("/health")).status == 200
         await client.post("/admin/health", json={"healthy": False})
         assert (await client.get("/health")).status == 503
@@ -277,7 +307,7 @@ async def test_health_can_be_switched_off_and_on() -> None:
 
 @pytest.mark.asyncio
 async def test_openai_sdk_reads_whole_answers() -> None:
-    async with serving(FAST) as client:
+    async with serving() as client:
         sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
         answer = await sdk.chat.completions.create(
             model="fake-llm", messages=[{"role": "user", "content": "hi"}],
@@ -291,7 +321,7 @@ async def test_openai_sdk_reads_whole_answers() -> None:
 
 @pytest.mark.asyncio
 async def test_openai_sdk_reads_streams() -> None:
-    async with serving(FAST) as client:
+    async with serving() as client:
         sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
         stream = await sdk.chat.completions.create(
             model="fake-llm", messages=[{"role": "user", "content": "hi"}], stream=True,

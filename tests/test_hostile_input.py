@@ -39,7 +39,7 @@ Doc = dict[str, Any]
 
 def settings(**extra: Any) -> Doc:
     return {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
-            "pools": [{"name": "llama", "replicas": 1, "max_running": 4}], **extra}
+            "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 4}}], **extra}
 
 
 @pytest.fixture
@@ -404,7 +404,7 @@ def inflight(stack: LocalStack) -> float:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     with LocalStack(tmp_path_factory.mktemp("hostile"),
-                    {"pools": [pool(replicas=1, max_running=4)]},
+                    {"pools": [pool(replicas=1, max_num_seqs=4)]},
                     backend_args=["--max-running", "4", "--time-scale", "0.05"]) as s:
         yield s
 
@@ -518,7 +518,7 @@ def test_memory_stays_bounded_by_the_cap_not_the_body(
     each get our 413, and extproc's peak memory grows by less than half of one body. (Not
     by exactly the cap: the allocator keeps freed buffers a while, so over many oversize
     requests RSS wanders tens of MiB above the baseline and comes back.)"""
-    small = stack_factory({"pools": [pool(replicas=1, max_running=4)], "max_body_bytes": MIB,
+    small = stack_factory({"pools": [pool(replicas=1, max_num_seqs=4)], "max_body_bytes": MIB,
                            "content_encoding": "decode"},
                           backend_args=["--time-scale", "0.05"])
     pid = small.processes["extproc"].pid

@@ -21,7 +21,7 @@ CHAT = "/v1/chat/completions"
 
 
 def settings(**extra: Any) -> dict[str, Any]:
-    return {"pools": [pool(replicas=1, max_running=2)], **extra}
+    return {"pools": [pool(replicas=1, max_num_seqs=2)], **extra}
 
 
 def post(url: str, doc: Any, headers: dict[str, str] | None = None,
@@ -59,7 +59,7 @@ def inflight(stack: LocalStack) -> float:
 def stack(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer: str) -> Any:
     """One stack for the module: 1 replica x 2 slots; the backend runs at 1/10 of real time."""
     with LocalStack(tmp_path_factory.mktemp("stack"),
-                    {"pools": [pool(replicas=1, max_running=2, tokenizer=llama3_tokenizer)]},
+                    {"pools": [pool(replicas=1, max_num_seqs=2, tokenizer=llama3_tokenizer)]},
                     backend_args=["--max-running", "2", "--time-scale", "0.1"]) as s:
         yield s
 

@@ -15,7 +15,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from extproc import loadgen
-from extproc.fakebackend import EngineModel, build_app
+from extproc.engine import EngineModel
+from extproc.fakebackend import build_app
 from extproc.loadgen import Lengths, Planned, Result, Workload, percentile, summarize
 from extproc.stack import free_port
 
@@ -213,7 +214,7 @@ async def test_run_records_tokens_rejections_and_abandonment() -> None:
 
 async def test_run_against_the_fake_backend_gets_every_token() -> None:
     work = Workload.generate(100, 0.2, seed=4, lengths=Lengths(prompt_cap=300, max_tokens=40))
-    async with serving(build_app(EngineModel(time_scale=0.01))) as url:
+    async with serving(build_app(EngineModel(), time_scale=0.01)) as url:
         results = await loadgen.run(work, url, timeout_s=10)
     assert len(results) == len(work.requests) > 5
     assert all(r.ok for r in results)
@@ -229,7 +230,7 @@ async def test_a_refused_connection_is_a_failure_not_a_crash() -> None:
 
 async def test_a_whole_answer_counts_its_usage_tokens() -> None:
     work = Workload.generate(50, 0.1, seed=6, lengths=Lengths(prompt_cap=100, max_tokens=20))
-    async with serving(build_app(EngineModel(time_scale=0.01))) as url:
+    async with serving(build_app(EngineModel(), time_scale=0.01)) as url:
         results = await loadgen.run(work, url, timeout_s=10, stream=False)
     assert all(r.ok and r.ttft_s is None for r in results)
     assert [r.tokens for r in results] == [p.output_tokens for p in work.requests]

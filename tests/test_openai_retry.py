@@ -22,7 +22,7 @@ async def test_sdk_retries_a_rejected_call_after_the_advertised_delay_and_succee
     # the first's ~0.75 s of work: it is rejected with Retry-After 1 s (no jitter here), and by
     # the time the SDK retries the slot is free again.
     stack: LocalStack = stack_factory(
-        {"pools": [pool(replicas=1, max_running=1)],
+        {"pools": [pool(replicas=1, max_num_seqs=1)],
          "classes": {"latency": {"ttft_ms": 500}},
          "retry_after": {"min_s": 1, "max_s": 1, "jitter": 0.0}},
         backend_args=["--max-running", "1"])

@@ -160,7 +160,7 @@ def backend(tmp_path: Path) -> Iterator[str]:
 
 
 def gate_for(addr: str, **section: Any) -> tuple[Gate, EngineStats, Metrics]:
-    pool = {"name": "llama", "replicas": 1, "max_running": 2,
+    pool = {"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 2},
             "engine_metrics": {"targets": [addr], **FAST, **section}}
     cfg = config.from_mapping({"pools": [pool], "classes": {
         "latency": {"deadline_ms": 60_000, "ttft_ms": 5_000}}})

@@ -83,7 +83,7 @@ async def overload(stack: LocalStack) -> list[str]:
 def test_2x_and_5x_saturation_get_honest_answers_within_the_deadline(
         stack_factory: Any, llama3_tokenizer: str) -> None:
     stack = stack_factory(
-        {"pools": [pool(replicas=1, max_running=4, tokenizer=llama3_tokenizer)]},
+        {"pools": [pool(replicas=1, max_num_seqs=4, tokenizer=llama3_tokenizer)]},
         fail_open=False, status_on_error=503,
         backend_args=["--max-running", "4", "--time-scale", "0.1"])
     for line in asyncio.run(overload(stack)):

@@ -167,7 +167,7 @@ def test_the_canary_never_leaves(tmp_path: Path, llama3_tokenizer: str) -> None:
     decisions = tmp_path / "decisions.jsonl"
     with Receiver() as receiver:
         stack = DebugStack(tmp_path / "stack", {
-            "pools": [pool(replicas=1, max_running=2, tokenizer=llama3_tokenizer)],
+            "pools": [pool(replicas=1, max_num_seqs=2, tokenizer=llama3_tokenizer)],
             "max_body_bytes": CAP, "content_encoding": "decode", "max_inflation_ratio": 20,
             "decision_log": str(decisions), "tracing": {"endpoint": receiver.endpoint},
         }, backend_args=["--max-running", "2", "--time-scale", "0.1"])

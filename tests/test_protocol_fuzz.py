@@ -42,7 +42,7 @@ PHASES = ("request_headers", "request_body", "request_trailers", "response_heade
 def service_settings() -> dict[str, Any]:
     return {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
             "max_body_bytes": 64 * 1024, "content_encoding": "decode",
-            "pools": [{"name": POOL, "replicas": 1, "max_running": 2}]}
+            "pools": [{"name": POOL, "replicas": 1, "engine": {"max_num_seqs": 2}}]}
 
 
 class Errors(logging.Handler):

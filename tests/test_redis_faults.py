@@ -33,7 +33,7 @@ ANSWER_SLACK_S = 0.4  # gRPC and a busy 2-core machine (clients share the server
 def settings(url: str, policy: str = "fail_open", **ledger: Any) -> config.Config:
     return config.from_mapping({
         "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
-        "pools": [{"name": "llama", "replicas": 1, "max_running": 8}],
+        "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 8}}],
         "classes": {"latency": {"deadline_ms": 30_000, "ttft_ms": 2_000}},
         "ledger": {"kind": "redis", "url": url, "on_unavailable": policy, "timeout_ms": 50,
                    "decision_deadline_ms": DEADLINE_MS, "sweep_interval_ms": 50,

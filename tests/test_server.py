@@ -22,7 +22,7 @@ from tests.extproc_client import Stream, admit_one, body, chat, headers, serving
 
 def settings(**extra: Any) -> dict[str, Any]:
     return {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
-            "pools": [{"name": "llama", "replicas": 1, "max_running": 2}], **extra}
+            "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 2}}], **extra}
 
 
 @pytest.fixture

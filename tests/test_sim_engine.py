@@ -1,16 +1,21 @@
-"""The simulated replica follows the fake backend's continuous-batching rules, in virtual time."""
+"""The simulated replica runs the engine's scheduler in virtual time; its decode runs and their
+cuts give exactly the times of stepping the scheduler one step at a time."""
+
+from __future__ import annotations
 
 import heapq
+import random
 
 import pytest
 
-from extproc.fakebackend import EngineModel
+from extproc.engine import EngineModel, Scheduler, Sequence
 from extproc.sim.clients import Attempt
 from extproc.sim.engine import Replica
 from extproc.workload import Job
 
-MODEL = EngineModel(max_running=4, prefill_ms_per_token=0.1, itl_ms_at_1=20.0,
-                    itl_ms_per_running=2.0)
+MODEL = EngineModel(max_num_seqs=6, max_num_batched_tokens=48, block_size=4, num_gpu_blocks=50,
+                    max_model_len=120, step_base_ms=20.0, ms_per_token=0.1, ms_per_seq=2.0,
+                    ms_per_kv_token=0.05, ms_per_prefill_pair=0.0001)
 
 
 class Harness:
@@ -19,7 +24,6 @@ class Harness:
     def __init__(self, model: EngineModel = MODEL) -> None:
         self.events: list[tuple[float, int, int]] = []
         self.seq = 0
-        self.now = 0.0
         self.replica = Replica(0, model, self._schedule)
         self.finished: list[Attempt] = []
 
@@ -37,88 +41,90 @@ class Harness:
         while self.events and self.events[0][0] <= t:
             when, _, version = heapq.heappop(self.events)
             if version == self.replica.version:
-                self.now = when
                 self.replica.plan(when, self.finished)
-        self.now = max(self.now, t) if t != float("inf") else self.now
 
 
-def itl(b: int) -> float:
-    return MODEL.itl_ms(b) / 1000.0
+def stepped(model: EngineModel, arrivals: list[tuple[float, int, int]]
+            ) -> list[tuple[float, float]]:
+    """The reference: the scheduler stepped one step at a time; an arrival joins the queue at
+    the first step boundary at or after it (at once when the engine is idle). Returns
+    (first token, finish) per arrival."""
+    sched = Scheduler(model)
+    seqs = [Sequence(p, o) for _, p, o in arrivals]
+    times: dict[int, list[float]] = {i: [-1.0, -1.0] for i in range(len(seqs))}
+    index = {id(s): i for i, s in enumerate(seqs)}
+    now, nxt = 0.0, 0
+    while True:
+        while nxt < len(arrivals) and arrivals[nxt][0] <= now + 1e-12:
+            sched.add(seqs[nxt])
+            nxt += 1
+        step = sched.schedule()
+        if step is None:
+            if nxt == len(arrivals):
+                break
+            now = arrivals[nxt][0]
+            continue
+        now += step.duration_ms / 1000.0
+        before = [s.generated for s in step.seqs]
+        done = sched.complete(step)
+        for s, g in zip(step.seqs, before, strict=True):
+            if g == 0 and s.generated > 0:
+                times[index[id(s)]][0] = now
+        for s in done:
+            times[index[id(s)]][1] = now
+    return [(times[i][0], times[i][1]) for i in range(len(seqs))]
 
 
-def test_a_lone_request_takes_prefill_plus_its_tokens_at_batch_one() -> None:
+@pytest.mark.parametrize("seed", range(8))
+def test_the_replica_gives_the_times_of_stepping_one_step_at_a_time(seed: int) -> None:
+    rng = random.Random(seed)
+    t = 0.0
+    arrivals = []
+    for _ in range(40):
+        t += rng.expovariate(4.0)
+        arrivals.append((t, rng.randint(1, 60), rng.randint(1, 50)))
     h = Harness()
-    a = h.submit(0.0, prompt=1000, output=50)
+    attempts = [h.submit(at, p, o) for at, p, o in arrivals]
     h.run_until()
-    assert a.first_token_at == pytest.approx(0.1 + itl(1))
-    assert a.finished_at == pytest.approx(0.1 + 50 * itl(1))
-    assert h.replica.step == 50
+    expected = stepped(MODEL, arrivals)
+    assert [a.first_token_at for a in attempts] == pytest.approx([e[0] for e in expected])
+    assert [a.finished_at for a in attempts] == pytest.approx([e[1] for e in expected])
+    assert {id(a) for a in h.finished} == {id(a) for a in attempts}
+    assert h.replica.sched.free_blocks == MODEL.num_gpu_blocks
 
 
-def test_a_batch_steps_at_its_own_inter_token_latency() -> None:
+def test_a_lone_request_takes_its_prefill_then_a_step_per_token() -> None:
     h = Harness()
-    short = h.submit(0.0, prompt=100, output=10)
-    long = h.submit(0.0, prompt=100, output=30)
+    a = h.submit(0.0, prompt=40, output=10)
     h.run_until()
-    # both joined at t=0? the first joined alone; the second at the next boundary
-    assert short.first_token_at == pytest.approx(0.01 + itl(1))
-    start = short.first_token_at
-    assert long.started_at == pytest.approx(start)
-    # from there both run at itl(2): the short one's remaining 9 tokens
-    assert short.finished_at == pytest.approx(start + 0.01 + itl(2) + 8 * itl(2))
-    # then the long one is alone again
-    done_together = short.finished_at
-    remaining = 30 - (1 + 8)
-    assert long.finished_at == pytest.approx(done_together + remaining * itl(1))
+    prefill = MODEL.step_ms(40, 0, 0, 40 * 20)
+    decodes = sum(MODEL.itl_ms(1, 40 + i) for i in range(9))
+    assert a.first_token_at == pytest.approx(prefill / 1000)
+    assert a.finished_at == pytest.approx((prefill + decodes) / 1000)
+    assert a.gpu_s == pytest.approx(a.finished_at)  # alone: every step was its own
+    assert h.replica.busy_s == pytest.approx(a.finished_at)
 
 
-def test_an_arrival_joins_at_the_next_step_boundary() -> None:
+def test_an_arrival_cuts_a_run_at_the_next_step_boundary() -> None:
     h = Harness()
-    h.submit(0.0, prompt=0, output=100)
-    late = h.submit(0.5 * itl(1) + 3 * itl(1), prompt=0, output=5)  # mid-step 4
+    first = h.submit(0.0, prompt=4, output=100)
+    h.run_until(0.5)
+    late = h.submit(0.5, prompt=4, output=2)
     h.run_until()
-    assert late.started_at == pytest.approx(4 * itl(1))
-    assert late.first_token_at == pytest.approx(4 * itl(1) + itl(2))
+    assert late.started_at > 0.5
+    assert late.started_at - 0.5 < MODEL.itl_ms(1, 40) / 1000  # within one step
+    assert first.finished_at > late.finished_at
 
 
-def test_the_batch_is_capped_and_the_queue_is_fifo() -> None:
-    h = Harness()
-    first = [h.submit(0.0, prompt=0, output=20) for _ in range(4)]
-    queued = [h.submit(0.0, prompt=0, output=5) for _ in range(2)]
-    h.run_until(0.001)
-    assert len(h.replica.running) == 1 and len(h.replica.waiting) == 5
+def test_an_abort_drops_a_waiting_request_at_once_and_a_running_one_at_a_boundary() -> None:
+    full = EngineModel(max_num_seqs=1, num_gpu_blocks=0, step_base_ms=10.0)
+    h = Harness(full)
+    running = h.submit(0.0, prompt=1, output=50)
+    waiting = h.submit(0.0, prompt=1, output=5)
+    h.run_until(0.1)
+    assert h.replica.abort(waiting, 0.1) is True  # from the queue: the caller accounts for it
+    assert h.replica.abort(running, 0.1) is False  # at the boundary, reported by plan
     h.run_until()
-    assert max(a.started_at for a in first) < min(a.started_at for a in queued)
-    assert queued[0].started_at <= queued[1].started_at
-    assert all(a.finished_at > 0 for a in first + queued)
-
-
-def test_the_kv_budget_blocks_the_head_of_the_queue() -> None:
-    h = Harness(EngineModel(max_running=4, prefill_ms_per_token=0.0, itl_ms_at_1=10.0,
-                            itl_ms_per_running=0.0, kv_cache_tokens=1000))
-    big = h.submit(0.0, prompt=700, output=100)
-    blocked = h.submit(0.0, prompt=300, output=100)  # 800 + 400 > 1000
-    small = h.submit(0.0, prompt=10, output=10)  # would fit, but waits behind (FIFO)
-    h.run_until()
-    assert blocked.started_at == pytest.approx(big.finished_at)
-    assert small.started_at >= blocked.started_at
-
-
-def test_gpu_time_attributed_to_sequences_adds_up_to_busy_time() -> None:
-    h = Harness()
-    attempts = [h.submit(0.013 * i, prompt=50 * i, output=7 + 5 * i) for i in range(12)]
-    h.run_until()
-    h.replica.accrue(h.now)
-    assert sum(a.gpu_s for a in attempts) == pytest.approx(h.replica.busy_s)
-    assert h.replica.idle
-
-
-def test_an_abort_frees_the_slot_at_the_next_boundary() -> None:
-    h = Harness()
-    a = h.submit(0.0, prompt=0, output=1000)
-    h.run_until(1.0)
-    h.replica.abort(a, 1.0)
-    h.run_until()
-    assert a in h.finished and a.finished_at < 0  # left unfinished
-    assert a.gpu_s == pytest.approx(h.replica.step * itl(1))
-    assert h.replica.idle
+    assert running in h.finished and running.finished_at < 0
+    assert running.generated < 50 and h.replica.idle
+    assert waiting.started_at < 0

@@ -66,7 +66,7 @@ def test_replay_refuses_contradictory_arguments() -> None:
 def gate_with_log(path: Path, mode: str) -> tuple[Gate, config.Config]:
     c = config.from_mapping({
         "mode": mode, "decision_log": str(path),
-        "pools": [{"name": "llama", "replicas": 1, "max_running": 2}],
+        "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 2}}],
     })
     return Gate(c, MemoryLedger(), StaticCapacity(c.pools), Metrics()), c
 

@@ -237,7 +237,7 @@ def test_the_operators_filters_come_before_ext_proc() -> None:
 async def service(tmp_path: Path) -> AsyncIterator[Service]:
     svc = Service(config.from_mapping({
         "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
-        "pools": [{"name": "llama", "replicas": 1, "max_running": 2}],
+        "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 2}}],
         "decision_log": str(tmp_path / "decisions.jsonl"),
         "max_body_bytes": 1024,
         "tenant": {"source": "metadata", "known": KNOWN}}))
@@ -365,7 +365,7 @@ def test_spoofed_tenant_headers_never_charge_another_tenant(
     source, filters = SETUPS[setup]
     log_path = tmp_path / f"decisions-{setup}.jsonl"
     stack = stack_factory(
-        {"pools": [pool(replicas=1, max_running=8)], "decision_log": str(log_path),
+        {"pools": [pool(replicas=1, max_num_seqs=8)], "decision_log": str(log_path),
          "tenant": {"source": source, "known": KNOWN}},
         fail_open=False, envoy={"http_filters": filters})
     bearer = ("authorization", f"Bearer {token('acme')}")

@@ -84,7 +84,7 @@ def served_files(pki: Pki, directory: Path) -> dict[str, str]:
 
 def settings(**extra: Any) -> dict[str, Any]:
     return {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
-            "pools": [{"name": "llama", "replicas": 1, "max_running": 2}], **extra}
+            "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 2}}], **extra}
 
 
 @pytest.fixture

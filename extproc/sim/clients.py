@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
+from extproc.engine import Sequence
 from extproc.workload import Job
-
-if TYPE_CHECKING:
-    from extproc.sim.engine import Replica
 
 
 @dataclass(frozen=True)
@@ -46,8 +44,9 @@ class ClientModel:
         return self.backoff_s(retry, rng)
 
 
-class Attempt:
-    """One send of a job: the gateway's request and, once admitted, the engine's sequence."""
+class Attempt(Sequence):
+    """One send of a job: the gateway's request and, once admitted, the engine's sequence
+    (``extproc.engine.Sequence``: prompt, output, KV blocks, progress)."""
 
     __slots__ = (
         "abandoned",
@@ -55,18 +54,13 @@ class Attempt:
         "arrival",
         "charged_tokens",
         "deadline_s",
-        "end_step",
         "finished_at",
         "first_token_at",
-        "footprint",
         "gpu_s",
         "job",
-        "join_share",
         "key",
         "number",
         "outcome",
-        "output_tokens",
-        "prompt_tokens",
         "queued_at",
         "released",
         "replica",
@@ -76,28 +70,24 @@ class Attempt:
 
     def __init__(self, job: Job, number: int, arrival: float, key: str, output_tokens: int,
                  charged_tokens: int, deadline_s: float, ttft_objective_s: float | None) -> None:
+        super().__init__(job.prompt_tokens, output_tokens, job.prefix_key, job.prefix_tokens)
         self.job = job
         self.number = number  # 0 for the first send, then 1, 2, ... for retries
         self.arrival = arrival
-        self.prompt_tokens = job.prompt_tokens
-        self.output_tokens = output_tokens  # what the engine will generate (<= max_tokens)
         self.charged_tokens = charged_tokens  # what the gateway charges (max_tokens or default)
         self.deadline_s = deadline_s
         self.ttft_objective_s = ttft_objective_s
         self.key = key
         self.outcome = ""
-        self.replica: Replica | None = None
+        self.replica: Any = None  # the sim.engine.Replica it was sent to
         self.queued_at = -1.0
         self.started_at = -1.0
         self.first_token_at = -1.0
         self.finished_at = -1.0
-        self.end_step = 0
-        self.join_share = 0.0
         self.gpu_s = 0.0
         self.aborted = False  # the engine was told to drop it
         self.abandoned = False  # its client stopped waiting
         self.released = False
-        self.footprint = job.prompt_tokens + output_tokens  # KV tokens it holds when done
 
     @property
     def good(self) -> bool:

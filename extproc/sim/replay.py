@@ -20,7 +20,6 @@ from typing import TextIO
 from extproc import config as config_mod
 from extproc import workload
 from extproc.errors import ConfigError
-from extproc.fakebackend import EngineModel
 from extproc.sim import report, scenarios
 from extproc.sim.clients import ClientModel
 from extproc.sim.policies import POLICIES
@@ -41,9 +40,7 @@ def from_file(path: str, *, fmt: str | None, config: config_mod.Config, replicas
         config = dataclasses.replace(config, pools=(pool, *config.pools[1:]))
     if pool.replicas < 1:
         raise ConfigError([f"pools[0].replicas: must be >= 1 to replay (got {pool.replicas})"])
-    engine = EngineModel(max_running=pool.max_running,
-                         prefill_ms_per_token=pool.prefill_ms_per_token,
-                         itl_ms_at_1=pool.itl_ms_at_1, itl_ms_per_running=pool.itl_ms_per_running)
+    engine = pool.engine
     classes = {name: {"deadline_ms": c.deadline_ms, "ttft_ms": c.ttft_ms or 0,
                       "safety_factor": c.safety_factor} for name, c in config.classes.items()}
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(path).stem)

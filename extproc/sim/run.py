@@ -28,8 +28,8 @@ from typing import Any
 from extproc.admission import Capacity, Outcome, Policy, Reason
 from extproc.capacity import model_of
 from extproc.config import Config, Infeasible, Pool
+from extproc.engine import EngineModel
 from extproc.estimate import Observed, cost_of, decay_factor, predictor_for
-from extproc.fakebackend import EngineModel
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
 from extproc.responses import retry_after_s
@@ -355,8 +355,8 @@ class Simulation:
         if job.deadline_ms is not None and job.deadline_ms < policy.deadline_ms:
             policy = Policy(job.deadline_ms, policy.safety_factor, policy.ttft_ms)
         charged = job.max_tokens or pool.default_max_tokens
-        output = job.output_tokens if job.max_tokens is None \
-            else min(job.output_tokens, job.max_tokens)
+        room = self.scenario.engine.max_model_len - job.prompt_tokens
+        output = min(job.output_tokens, job.max_tokens or job.output_tokens, max(1, room))
         self._keys += 1
         a = Attempt(job, number, now, str(self._keys), output, charged,
                     policy.deadline_ms / 1000.0,
@@ -435,8 +435,8 @@ class Simulation:
             return
         a.abandoned = True
         self._release(a)  # the stream ends with a cancellation
-        if self.scenario.engine_aborts and a.replica is not None:
-            a.replica.abort(a, self.now)
+        if self.scenario.engine_aborts and a.replica is not None and a.replica.abort(a, self.now):
+            self._finish([a])  # dropped from the engine's queue at once
         if self.scenario.clients.retry_on_timeout:
             self._retry_or_fail(a)
         else:

@@ -20,6 +20,7 @@ replica in ~9 minutes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -28,8 +29,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from extproc import config as config_mod
+from extproc.engine import LLAMA_70B_FP8_2XH100, EngineModel
 from extproc.errors import ConfigError
-from extproc.fakebackend import EngineModel
 from extproc.sim import autoscaler as autoscaler_mod
 from extproc.sim.clients import ClientModel
 from extproc.sim.run import Scenario
@@ -49,7 +50,7 @@ from extproc.workload import (
 CHAT_CLASSES: dict[str, Any] = {
     "latency": {"deadline_ms": 30_000, "ttft_ms": 2_000, "safety_factor": 0.8},
 }
-ENGINE = EngineModel(max_running=16, kv_cache_tokens=400_000)  # 70B FP8 on 2xH100
+ENGINE = dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=16)  # 16 slots a replica
 AZURE_MAX_TOKENS = {"conv": 1024, "code": 2048}  # above each trace's longest output
 # Code completions are not streamed (the editor waits for the whole answer): no TTFT objective.
 AZURE_CLASSES: dict[str, dict[str, Any]] = {
@@ -58,27 +59,20 @@ AZURE_CLASSES: dict[str, dict[str, Any]] = {
 }
 
 
-def gpu_ms_per_request(engine: EngineModel, mean_prompt: float, mean_output: float) -> float:
-    b = engine.max_running
-    return mean_prompt * engine.prefill_ms_per_token + mean_output * engine.itl_ms(b) / b
-
-
 def capacity_rps(engine: EngineModel, replicas: int, jobs: Sequence[Job]) -> float:
     """Requests per second the fleet sustains on this mix with full batches."""
     if not jobs:
         return 0.0
     prompt = sum(j.prompt_tokens for j in jobs) / len(jobs)
     output = sum(min(j.output_tokens, j.max_tokens or j.output_tokens) for j in jobs) / len(jobs)
-    return replicas * 1000.0 / gpu_ms_per_request(engine, prompt, output)
+    return replicas * 1000.0 / engine.request_ms(prompt, output)
 
 
 def _config(replicas: int, classes: dict[str, Any], engine: EngineModel,
             **pool: Any) -> config_mod.Config:
     return config_mod.from_mapping({
-        "pools": [{"name": "llm", "replicas": replicas, "max_running": engine.max_running,
-                   "prefill_ms_per_token": engine.prefill_ms_per_token,
-                   "itl_ms_at_1": engine.itl_ms_at_1,
-                   "itl_ms_per_running": engine.itl_ms_per_running, **pool}],
+        "pools": [{"name": "llm", "replicas": replicas,
+                   "engine": dataclasses.asdict(engine), **pool}],
         "classes": classes,
     })
 
@@ -96,8 +90,7 @@ def replay(name: str, jobs: Sequence[Job], *, replicas: int = 4, load: float | N
         offered = len(jobs) / span if span else 0.0
         rate_x = load * capacity_rps(engine, replicas, jobs) / offered if offered else 1.0
     rate_x = rate_x or 1.0
-    scaled = [Job(j.arrival_s / rate_x, j.prompt_tokens, j.output_tokens, j.max_tokens,
-                  j.service_class, j.tenant, j.deadline_ms) for j in jobs]
+    scaled = [dataclasses.replace(j, arrival_s=j.arrival_s / rate_x) for j in jobs]
     classes = classes or CHAT_CLASSES
     for cls in {j.service_class for j in scaled} - set(classes):
         raise ConfigError([f"class {cls!r} of the trace is not configured"])
@@ -108,7 +101,7 @@ def replay(name: str, jobs: Sequence[Job], *, replicas: int = 4, load: float | N
         autoscaler=_autoscaler(autoscaler, replicas, top), provisioning_s=provisioning_s,
         description=f"{len(jobs)} requests at {rate_x:.2f}x the trace's rate"
         + (f" ({load:g}x fleet capacity)" if load is not None else "")
-        + f", {replicas} replicas of {engine.max_running} slots"
+        + f", {replicas} replicas of {engine.max_num_seqs} slots"
         + (f", autoscaler {autoscaler} up to {top}" if autoscaler else ""),
     )
 
