@@ -1,76 +1,84 @@
 """The admission decision: a pure function of cost, ledger snapshot, capacity, policy and now.
 
-No I/O, no clock reads, no logging: the server, the simulator and replay call the very same
-``decide``, so what the simulator proves is what production does.
+No I/O, no clock reads, no logging: the gateway and the simulator call the very same
+``decide`` (through the admission step, ``extproc.step``), so what the simulator proves is
+what production does.
 
-The model, per pool of ``R`` ready replicas that each decode up to ``B`` sequences at once
-(continuous batching), with ``S = R x B`` slots. A request charges ``output`` tokens (its
-``max_tokens``: the most it can generate); most stop far earlier, so when the cost carries an
-output-length prediction (``extproc.estimate``) the model tells two lengths apart:
+The model, per pool of ``R`` ready replicas, each the engine of ``extproc.engine`` (a decode
+step of ``b`` sequences at context ``c`` takes ``itl(b, c)``; a prompt is prefilled in chunks
+of the step's token budget). A request has ``P`` prompt tokens and may generate up to ``M``
+(``max_tokens`` x choices); what it will generate is unknown, so it carries two lengths from
+the pool's learned output-length distribution (``extproc.lengths``):
 
-    typical    o = min(output, expected_output)       what it will probably generate (mean)
-    long       O = min(output, long_output)           what it may generate (a high quantile)
-    prefill      = prompt x prefill_per_token
-    gpu          = prefill + o x itl(B) / B           its GPU time in a full batch: ledger charge
-    mean       g = outstanding / inflight             (gpu itself when nothing is in flight)
-    fleet      f = expected_output (output if none)   the pool's mean output, not clipped by
-                                                      this request's own max_tokens
-    share        = 1 - f x itl(B) / (B x g)           prefill's share of a busy replica's time,
-                                                      kept in [0, 0.9]
-    batch      b = min(B, (inflight + 1) / R)         mean running sequences per replica
-    step(b)      = itl(b) / (1 - share x b / B)       a decode step, stretched by the prefills
-                                                      of sequences joining the batch
-    position   p = inflight + 1 - S                   its place in the engines' queues
-    wait         = 0                       if p <= 0  (a slot is free: it starts now)
-                 = q(ceil(p / R)) x g      otherwise
-    ttft         = wait + prefill
-    completion   = wait + prefill + O x step(b)
+    typical   o = E[min(output, M)]                its expected length: what it is charged
+    promised  L = min(M, Q(q))                     the quantile ``q`` it is promised on; ``q``
+                                                   is held by feedback (``extproc.learning``)
 
-``itl(b) = itl_at_1 + itl_per_running x (b - 1)``. It admits when ``completion <= deadline x
-safety`` and, for classes with a time-to-first-token objective, ``ttft <= ttft_objective x
-safety``.
+and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context ``C̄ = P̄ + Ō /
+2``). With ``n`` requests in flight and ``W`` ms of work outstanding (the ledger's snapshot):
 
-Why it looks like this. A full replica finishes one request per ``g`` of GPU time (a decode
-step is shared by its ``B`` sequences; a prefill runs alone), so slots free one every ``g`` per
-replica, and a request ``k``-th in its replica's queue (queues are kept even) starts with the
-``k``-th release. Releases are irregular, so the wait is not ``k x g`` but ``q(k) x g``, the
-``wait_quantile`` of the time to the ``k``-th event of a Poisson stream (``release_quantile``):
-the mean would be met only half the time. (Releases of many sequences sharing a replica are
-close to Poisson; for a serial replica, ``B = 1``, the estimate is pessimistic.) The work in
-flight is charged at its expected size, so the wait depends on when slots free, not on
-``max_tokens`` summed over the backlog. And while sequences join, every step also runs their
-prefill: ``share`` of a busy replica's time goes to prefill (the ledger's mean charge less its
-decode part), which stretches every decode step by ``1 / (1 - share)`` at a full batch, less
-at a smaller one. The share is the fleet's, so its decode part is the pool's mean output
-``f``, never this request's own length: a request told it will be long (or one with a small
-``max_tokens``) would otherwise read the busy fleet's prefill share as none (or as most).
+    slots    S = min(max_num_seqs, kv_tokens / (P̄ + Ō))    a replica's batch: its sequence
+                                                          limit, or what its KV cache holds
+    batch    b = min(S, (n + 1) / R)                       running sequences per replica
+    step       = itl(b, C̄) + (b / Ō) x prefill(P̄)          a decode step, plus the prefill of
+                                                          the requests that keep the batch
+                                                          full (one in Ō sequences is new)
+    position p = n + 1 - R x S                             its place in the engines' queues
+    wait       = 0                        if p <= 0       (a slot is free: it starts now)
+               = q_w(ceil(p / R)) x W / n otherwise
+    ttft       = wait + prefill(P) + chunks(P) x itl(b, C̄) its prompt, in chunks beside the
+                                                          decodes
+    completion = ttft + L x step
 
-Why two lengths: the *fleet* is charged what requests will probably cost (charging
-``max_tokens`` in full makes a busy fleet look several times busier than it is and turns
-requests away while slots sit idle), but a request is *promised* only what it may cost: its
-own completion uses the long length, so an admitted request still meets its deadline when its
-output runs long. Without a prediction ``o = O = output``: the conservative model that charges
-``max_tokens`` in full.
+It admits when ``completion <= deadline x safety`` and, for classes with a time-to-first-
+token objective, ``ttft <= ttft_objective x safety``.
 
-A request that would miss its deadline even on an idle fleet (wait 0, b = 1) is not overload:
-a 429 would invite retries that can never succeed, so the decision is ``INFEASIBLE`` and the
-caller passes or refuses it by configuration.
+Why it looks like this. A full replica frees a slot every ``W / n`` of GPU time on average
+(the ledger charges each request its GPU share in a full batch: its prefill plus ``o x
+itl(S, C̄) / S``), so a request ``k``-th in its replica's queue starts with the ``k``-th
+release. Releases are irregular, so the wait is the ``wait_quantile`` of the time to the
+``k``-th event of a Poisson stream (``release_quantile``), not its mean. A decode step grows
+with the batch and the context its sequences read (the engine's roofline), and in a busy
+replica every step also carries a share of the prefill of the sequences joining: in steady
+state one sequence in ``Ō`` finishes each step and its successor's prompt is prefilled.
+The KV cache bounds the batch before ``max_num_seqs`` does when contexts are long: a replica
+holds ``kv_tokens / (P̄ + Ō)`` sequences at their final length, and past that vLLM preempts.
+
+Charge the typical, promise a quantile. The fleet is charged what requests will probably cost
+(charging ``max_tokens`` in full makes a busy fleet look several times busier than it is); a
+request's own completion uses the promised length. A per-request promise at a high quantile
+is stricter than the population target (99% of admitted requests within their deadline):
+the promise quantile is therefore not a constant but held by feedback on measured attainment
+(``extproc.learning.Promise``), between ``Q(0.5)`` and ``Q(0.995)``.
+
+Feasibility is judged on the typical length: a request whose typical completion misses its
+deadline even on an idle replica (``b = 1``, no wait) is ``INFEASIBLE``: a 429 would invite
+retries that can never succeed. What happens to it is the step's business
+(``extproc.step``): it never waits in a queue that admitted requests wait in. A promise
+longer than what the request could generate alone within its budget is capped at that length:
+such a request is admitted while its replica is (nearly) idle and refused when it is busy,
+never refused by an idle fleet (a fresh pool whose prior expects long answers would otherwise
+refuse everything, and learn nothing).
+
+Batch classes (``Policy.batch``) take only capacity the interactive classes do not need:
+``Capacity.reserved`` slots (from the interactive classes' measured demand,
+``extproc.learning.Demand``) are held back, and a batch request is admitted only into a free
+slot beyond them (it never queues in front of an interactive request in the engines' FIFO).
 
 An admission carries ``ceiling_ms``, the threshold for the ledger's atomic check-and-record
 (a shared ledger may have changed since the snapshot): the most outstanding work, this request
 included, under which it still fits. Requests admitted ahead of it meanwhile add about their
-charge ``g`` each to ``outstanding`` and ``g / R`` each to its wait, so with
-``slack = min(budget - completion, ttft_budget - ttft)``
+charge each to ``W`` and ``1 / R`` of it each to its wait, so with ``slack = min(budget -
+completion, ttft_budget - ttft)``
 
-    ceiling    = outstanding + gpu + R x slack
+    ceiling    = W + charge + R x slack
 
-which an unchanged ledger always satisfies (admissions that only took free slots add no wait,
-so the ceiling is conservative there).
+which an unchanged ledger always satisfies.
 
 A rejection says when the request would fit: the wait shrinks by one millisecond per
 millisecond while nothing new is admitted, so ``retry_after = completion - budget`` (or the
 TTFT excess, whichever is larger); when the wait is already zero the excess comes from the
-batch being full, and the hint is at least the time a replica takes to free a slot, ``g``.
+batch being full, and the hint is at least the time a replica takes to free a slot.
 """
 
 from __future__ import annotations
@@ -79,6 +87,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from statistics import NormalDist
+
+from extproc.engine import EngineModel
 
 
 class Outcome(StrEnum):
@@ -95,14 +105,15 @@ class Reason(StrEnum):
     FITS = "fits"
     DEADLINE = "deadline"  # predicted completion past the deadline budget
     TTFT = "ttft"  # predicted first token past the TTFT budget
-    NO_CAPACITY = "no_capacity"  # no ready replica
+    NO_CAPACITY = "no_capacity"  # no ready replica, or no free slot for a batch request
     INFEASIBLE = "infeasible"  # would miss even on an idle fleet
+    CONTEXT_LENGTH = "context_length"  # longer than the model's context (the engine's 400)
     UNMANAGED = "unmanaged"  # no pool serves this model
     BAD_REQUEST = "bad_request"
     BODY_TOO_LARGE = "body_too_large"
     UNSUPPORTED_MEDIA = "unsupported_media"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
-    PROCESSOR_OVERLOADED = "processor_overloaded"  # shed before deciding (extproc.loadshed)
+    PROCESSOR_OVERLOADED = "processor_overloaded"  # shed before deciding (extproc.server)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,28 +121,19 @@ class Cost:
     """What one request asks of the GPU, in tokens (times are the model's business)."""
 
     prompt_tokens: int
-    output_tokens: int  # output charged: max_tokens (or the default) x choices
-    expected_output_tokens: float | None = None  # predicted mean output; None: output_tokens
-    long_output_tokens: float | None = None  # predicted long output (~p99); None: output_tokens
+    output_tokens: int  # charged: max_tokens (or the pool's default) x choices, the most
+    typical_tokens: float | None = None  # ``o``; None: output_tokens (nothing known)
+    promised_tokens: float | None = None  # ``L``; None: output_tokens
 
     @property
-    def typical_tokens(self) -> float:
-        """``o``: what it will probably generate, never above the charge."""
-        expected = self.expected_output_tokens
-        return self.output_tokens if expected is None else min(self.output_tokens, expected)
+    def typical(self) -> float:
+        o = self.typical_tokens
+        return self.output_tokens if o is None else min(self.output_tokens, o)
 
     @property
-    def fleet_tokens(self) -> float:
-        """What a request of the pool generates on average (the prediction, unclipped by this
-        request's own ``max_tokens``): the decode part of the fleet's mean charge."""
-        expected = self.expected_output_tokens
-        return self.output_tokens if expected is None else expected
-
-    @property
-    def long_tokens(self) -> float:
-        """``O``: what it generates at worst, bar the predictor's tail, never above the charge."""
-        long = self.long_output_tokens
-        return self.output_tokens if long is None else min(self.output_tokens, long)
+    def promised(self) -> float:
+        big_l = self.promised_tokens
+        return self.output_tokens if big_l is None else min(self.output_tokens, big_l)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,36 +145,72 @@ class Snapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class Mix:
+    """The pool's traffic: mean prompt and output tokens (learned; the context a decode
+    reads and the prefill that joins a busy batch come from them)."""
+
+    prompt_tokens: float = 1024.0
+    output_tokens: float = 256.0
+
+    @property
+    def context(self) -> float:
+        return self.prompt_tokens + self.output_tokens / 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class Capacity:
-    """Ready replicas of a pool and the cost model of one replica."""
+    """Ready replicas of a pool, the engine each one is, and the traffic they serve."""
 
     replicas: int
-    max_running: int
-    prefill_ms_per_token: float
-    itl_ms_at_1: float
-    itl_ms_per_running: float
+    engine: EngineModel = field(default_factory=EngineModel)
+    mix: Mix = field(default_factory=Mix)
     wait_quantile: float = 0.97  # how sure the predicted wait must be (see the docstring)
+    reserved: float = 0.0  # slots held for interactive demand (batch requests only)
     wait_z: float = field(init=False, repr=False, compare=False)  # its normal quantile
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "wait_z", NormalDist().inv_cdf(self.wait_quantile))
 
     @property
-    def slots(self) -> int:
-        return self.replicas * self.max_running
+    def batch(self) -> int:
+        """``S``: the sequences one replica runs at once (docstring)."""
+        return self.engine.full_batch(self.mix.prompt_tokens, self.mix.output_tokens)
 
-    def itl_ms(self, running: float) -> float:
-        return self.itl_ms_at_1 + self.itl_ms_per_running * max(0.0, running - 1.0)
+    @property
+    def slots(self) -> int:
+        return self.replicas * self.batch
+
+    def step_ms(self, batch: float) -> float:
+        """A decode step of ``batch`` sequences in a busy replica (docstring: ``step``)."""
+        mix, e = self.mix, self.engine
+        joining = batch / max(mix.output_tokens, 1.0)
+        return e.itl_ms(batch, mix.context) + joining * e.prefill_ms(mix.prompt_tokens)
+
+    def prefill_ms(self, prompt: float, batch: float) -> float:
+        """Time to a first token for ``prompt`` tokens prefilled beside ``batch`` decodes."""
+        e = self.engine
+        per_step = max(1.0, e.max_num_batched_tokens - batch)
+        chunks = max(1, math.ceil(prompt / per_step))
+        return e.prefill_ms(prompt) + chunks * e.itl_ms(batch, self.mix.context)
+
+    def charge_ms(self, cost: Cost) -> float:
+        """A request's GPU share in a full batch: its ledger charge (docstring)."""
+        s = self.batch
+        e = self.engine
+        return e.prefill_ms(cost.prompt_tokens) + cost.typical * e.itl_ms(
+            s, self.mix.context) / s
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The budget a request is held to: its class's deadline (possibly tightened by the
-    client) and TTFT objective, each scaled by the class's safety factor."""
+    client) and TTFT objective, each scaled by the class's safety factor; ``batch``: the class
+    takes only capacity the interactive classes leave."""
 
     deadline_ms: float
     safety_factor: float
     ttft_ms: float | None = None
+    batch: bool = False
 
     @property
     def budget_ms(self) -> float:
@@ -195,13 +233,11 @@ class Decision:
     finish_at: float  # now + completion: when the request is expected to end
     retry_after_ms: float | None = None  # set on REJECT: when it would fit
     ceiling_ms: float | None = None  # set on ADMIT: the ledger's atomic check (docstring)
+    position: int = 0  # its place in the engines' queues (<= 0: a slot is free)
 
     @property
     def admitted(self) -> bool:
         return self.outcome is Outcome.ADMIT
-
-
-MAX_PREFILL_SHARE = 0.9  # beyond this a replica barely decodes: the estimate is not trusted
 
 
 def release_quantile(k: int, z: float) -> float:
@@ -211,57 +247,67 @@ def release_quantile(k: int, z: float) -> float:
     return k * max(0.0, 1.0 - 1.0 / (9.0 * k) + z / (3.0 * math.sqrt(k))) ** 3
 
 
-def charge_ms(cost: Cost, capacity: Capacity) -> float:
-    """``gpu``: a request's GPU time in a full batch, its ledger charge (module docstring)."""
-    full = capacity.max_running
-    return (cost.prompt_tokens * capacity.prefill_ms_per_token
-            + cost.typical_tokens * capacity.itl_ms(full) / full)
+def idle_ms(cost: Cost, capacity: Capacity) -> tuple[float, float]:
+    """``(ttft, completion)`` of the request's typical length alone on an idle replica."""
+    e = capacity.engine
+    ttft = capacity.prefill_ms(cost.prompt_tokens, 0.0)
+    return ttft, ttft + cost.typical * e.itl_ms(1, cost.prompt_tokens + cost.typical / 2.0)
 
 
 def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
            now: float) -> Decision:
     """Admit, reject (429) or declare infeasible one request; see the module docstring."""
-    long = cost.long_tokens
-    prefill_ms = cost.prompt_tokens * capacity.prefill_ms_per_token
-    idle_ms = prefill_ms + long * capacity.itl_ms(1.0)
+    budget = policy.budget_ms
     ttft_budget = policy.ttft_budget_ms
-    full = capacity.max_running
-    gpu_ms = charge_ms(cost, capacity)  # prefill + typical decode
-    if idle_ms > policy.budget_ms or (ttft_budget is not None and prefill_ms > ttft_budget):
-        return Decision(Outcome.PASS, Reason.INFEASIBLE, gpu_ms, 0.0, prefill_ms, idle_ms,
-                        policy.budget_ms, now + idle_ms / 1000.0)
+    charge = capacity.charge_ms(cost)
+    idle_ttft, idle_done = idle_ms(cost, capacity)
+    if idle_done > budget or (ttft_budget is not None and idle_ttft > ttft_budget):
+        return Decision(Outcome.PASS, Reason.INFEASIBLE, charge, 0.0, idle_ttft, idle_done,
+                        budget, now + idle_done / 1000.0, position=snapshot.inflight + 1
+                        - capacity.slots)
 
-    if capacity.replicas <= 0:
-        return Decision(Outcome.REJECT, Reason.NO_CAPACITY, gpu_ms, 0.0, prefill_ms, idle_ms,
-                        policy.budget_ms, now + idle_ms / 1000.0,
-                        retry_after_ms=policy.budget_ms)
+    replicas = capacity.replicas
+    if replicas <= 0:
+        return Decision(Outcome.REJECT, Reason.NO_CAPACITY, charge, 0.0, idle_ttft, idle_done,
+                        budget, now + idle_done / 1000.0, retry_after_ms=budget)
 
-    mean_ms = snapshot.outstanding_ms / snapshot.inflight if snapshot.inflight else gpu_ms
-    fleet_decode_ms = cost.fleet_tokens * capacity.itl_ms(full) / full
-    share = (min(MAX_PREFILL_SHARE, max(0.0, 1.0 - fleet_decode_ms / mean_ms))
-             if mean_ms > 0 else 0.0)
-    batch = min(float(full), (snapshot.inflight + 1) / capacity.replicas)
-    step_ms = capacity.itl_ms(batch) / (1.0 - share * batch / full)
-    position = snapshot.inflight + 1 - capacity.slots
+    n = snapshot.inflight
+    mean_ms = snapshot.outstanding_ms / n if n else charge
+    per_replica = capacity.batch
+    batch = min(float(per_replica), (n + 1) / replicas)
+    position = n + 1 - replicas * per_replica
     if position > 0:
-        ahead = math.ceil(position / capacity.replicas)
-        wait_ms = release_quantile(ahead, capacity.wait_z) * mean_ms
+        wait_ms = release_quantile(math.ceil(position / replicas), capacity.wait_z) * mean_ms
     else:
         wait_ms = 0.0
-    ttft_ms = wait_ms + prefill_ms
-    completion_ms = wait_ms + prefill_ms + long * step_ms
+    ttft_ms = wait_ms + capacity.prefill_ms(cost.prompt_tokens, batch)
+    # A promise longer than the request could produce alone within its budget is capped there:
+    # it then fits an idle replica, never a busy one (docstring).
+    alone = (budget - capacity.prefill_ms(cost.prompt_tokens, 1.0)) / capacity.step_ms(1.0)
+    promised = min(cost.promised, max(alone * (1.0 - 1e-9), 0.0))
+    completion_ms = ttft_ms + promised * capacity.step_ms(batch)
     finish_at = now + completion_ms / 1000.0
 
-    deadline_excess = completion_ms - policy.budget_ms
-    ttft_excess = ttft_ms - ttft_budget if ttft_budget is not None else float("-inf")
+    if policy.batch and position + capacity.reserved > 0:
+        # Batch work only takes a free slot beyond what interactive demand needs.
+        slot_ms = mean_ms / max(per_replica, 1)
+        return Decision(Outcome.REJECT, Reason.NO_CAPACITY, charge, wait_ms, ttft_ms,
+                        completion_ms, budget, finish_at,
+                        retry_after_ms=max(slot_ms, (position + capacity.reserved) * slot_ms
+                                           / replicas),
+                        position=position)
+
+    deadline_excess = completion_ms - budget
+    ttft_excess = ttft_ms - ttft_budget if ttft_budget is not None else -math.inf
     if deadline_excess <= 0 and ttft_excess <= 0:
         slack_ms = -max(deadline_excess, ttft_excess)
-        ceiling_ms = snapshot.outstanding_ms + gpu_ms + capacity.replicas * slack_ms
-        return Decision(Outcome.ADMIT, Reason.FITS, gpu_ms, wait_ms, ttft_ms, completion_ms,
-                        policy.budget_ms, finish_at, ceiling_ms=ceiling_ms)
+        ceiling_ms = snapshot.outstanding_ms + charge + replicas * slack_ms
+        return Decision(Outcome.ADMIT, Reason.FITS, charge, wait_ms, ttft_ms, completion_ms,
+                        budget, finish_at, ceiling_ms=ceiling_ms, position=position)
 
     reason = Reason.DEADLINE if deadline_excess >= ttft_excess else Reason.TTFT
     excess = max(deadline_excess, ttft_excess)
-    retry_ms = excess if wait_ms > 0 else max(excess, mean_ms)
-    return Decision(Outcome.REJECT, reason, gpu_ms, wait_ms, ttft_ms, completion_ms,
-                    policy.budget_ms, finish_at, retry_after_ms=retry_ms)
+    slot_ms = mean_ms / max(per_replica, 1)
+    retry_ms = excess if wait_ms > 0 else max(excess, slot_ms)
+    return Decision(Outcome.REJECT, reason, charge, wait_ms, ttft_ms, completion_ms, budget,
+                    finish_at, retry_after_ms=retry_ms, position=position)

@@ -65,18 +65,7 @@ async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
 
 def model_of(pool: Pool, replicas: int) -> Capacity:
     """The pool's ``replicas`` ready replicas, each its ``engine``."""
-    engine = pool.engine
-    return Capacity(
-        replicas=replicas,
-        max_running=engine.max_num_seqs,
-        prefill_ms_per_token=engine.ms_per_token,
-        itl_ms_at_1=engine.itl_ms(1),
-        itl_ms_per_running=engine.itl_ms(2, TYPICAL_CONTEXT) - engine.itl_ms(1, TYPICAL_CONTEXT),
-        wait_quantile=pool.wait_quantile,
-    )
-
-
-TYPICAL_CONTEXT = 1024  # tokens a decode reads, for the per-sequence cost of a batch
+    return Capacity(replicas=replicas, engine=pool.engine, wait_quantile=pool.wait_quantile)
 
 
 class StaticCapacity:

@@ -60,6 +60,7 @@ class ClassPolicy:
     deadline_ms: float
     safety_factor: float
     ttft_ms: float | None = None
+    batch: bool = False  # takes only capacity the other classes' demand leaves (admission)
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ class Config:
 
 DEFAULT_CLASSES: dict[str, dict[str, Any]] = {
     "latency": {"deadline_ms": 30_000, "ttft_ms": 2_000, "safety_factor": 0.8},
-    "throughput": {"deadline_ms": 600_000, "safety_factor": 0.9},
+    "throughput": {"deadline_ms": 600_000, "safety_factor": 0.9, "batch": True},
 }
 
 DEFAULT_ROUTES: list[dict[str, Any]] = [
@@ -668,6 +669,7 @@ def _classes(r: _Reader, raw: Any) -> dict[str, ClassPolicy]:
             deadline_ms=deadline,
             ttft_ms=ttft or None,
             safety_factor=r.take(body, p, "safety_factor", float, 0.8, _fraction),
+            batch=r.take(body, p, "batch", _flag, False),
         )
         r.leftovers(body, p)
     return out

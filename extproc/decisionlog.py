@@ -51,6 +51,7 @@ class Record:
     duration_ms: float | None = None
     output_tokens: int | None = None  # only when a source knows it (never the gateway today)
     tenant: str | None = None  # who was charged, when tenant attribution is on
+    promised_tokens: float | None = None  # the output length its admission was promised on
 
     def to_json(self) -> str:
         row: dict[str, Any] = {
@@ -66,6 +67,8 @@ class Record:
             row["output_tokens"] = self.output_tokens
         if self.tenant is not None:
             row["tenant"] = self.tenant
+        if self.promised_tokens is not None:
+            row["promised_tokens"] = self.promised_tokens
         return json.dumps(row, separators=(",", ":"))
 
 

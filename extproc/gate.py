@@ -62,6 +62,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -69,34 +70,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from extproc import decisionlog
-from extproc.admission import (
-    Capacity,
-    Cost,
-    Decision,
-    Outcome,
-    Policy,
-    Reason,
-    Snapshot,
-    charge_ms,
-    decide,
-)
+from extproc.admission import Decision, Outcome, Reason, Snapshot
 from extproc.capacity import CapacitySource
-from extproc.config import Config, Infeasible, Mode, OnUnavailable, Pool, Route, TracingConfig
+from extproc.config import Config, Mode, OnUnavailable, Pool, Route, TracingConfig
 from extproc.enginestats import Bucket, Correction, EngineStats, PoolStats, correction
 from extproc.errors import BadRequest, LedgerUnavailable, RequestError
-from extproc.estimate import (
-    Calibration,
-    Observed,
-    OutputPredictor,
-    TokenCounter,
-    cost_for,
-    counter_for,
-    decay_factor,
-    predictor_for,
-)
+from extproc.estimate import Calibration, TokenCounter, counter_for, prompt_tokens
+from extproc.learning import PoolLearning, learning_for
 from extproc.ledger import Entry, Ledger
+from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.request import InferenceRequest, parse
+from extproc.step import NO_CORRECTION, Admission, Ask, admit, charge_of
 from extproc.telemetry import DecisionSpan, Tracing
 from extproc.tenant import Tenant
 
@@ -111,8 +96,6 @@ RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking th
 RECORD_RETRY_S = 1.0  # how soon a renewer retries when the ledger did not answer
 RENEWER_STOP_S = 1.0  # how long a release waits for a cancelled renewal to finish
 MAX_DEFERRED_RELEASES = 100_000  # beyond this, a lost release is left to its lease
-NO_CORRECTION = Correction()
-
 T = TypeVar("T")
 
 
@@ -130,6 +113,10 @@ class Ticket:
     settled: bool = False  # set by ``Gate.settle``: the renewer stops even if its cancel is lost
     correction: asyncio.Task[None] | None = field(default=None, repr=False)  # exact count
     log: decisionlog.Pending | None = field(default=None, repr=False)  # its decision log line
+    started: float = 0.0  # the gate's clock at admission
+    deadline_s: float = math.inf  # its deadline (the promise's feedback)
+    batch: bool = False  # its class is a batch class
+    unavoidable: float = 0.0  # the step's: chance it misses even alone
 
 
 @dataclass(frozen=True)
@@ -169,6 +156,7 @@ class Verdict:
     output_tokens: int = 0  # output charged
     trace: Mapping[str, Any] | None = None  # span attributes known only here (when tracing)
     tenant: Tenant | None = None  # who is charged (extproc.tenant); None: attribution off
+    admission: Admission | None = None  # the step's answer, when it decided
 
     @property
     def blocks(self) -> bool:
@@ -201,17 +189,14 @@ class Gate:
         self._counting = concurrent.futures.ThreadPoolExecutor(1, "extproc-count")
         self._pending_counts = 0  # corrections waiting for or running on that thread
         self._calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
-        self._predictors: dict[str, OutputPredictor] = {}
-        self._learning: dict[str, tuple[Observed, float]] = {}  # pool -> (lengths, decay)
+        self.learning: dict[str, PoolLearning] = {p.name: learning_for(p) for p in config.pools}
+        self._decay: dict[str, float] = {}  # pool -> its lengths' decay per scrape round
         for pool in config.pools:
-            self._predictors[pool.name] = predictor_for(pool)
             settings, stats = pool.engine_metrics, self.engines.get(pool.name)
             if settings is not None and settings.learn_output_lengths and stats is not None:
-                observed = Observed(fallback=self._predictors[pool.name])
-                self._predictors[pool.name] = observed
-                self._learning[pool.name] = (observed, decay_factor(settings.interval_s))
+                self._decay[pool.name] = decay_factor(settings.interval_s)
                 stats.on_lengths = self.learn_lengths
-                metrics.watch_outputs(pool.name, observed.learned)
+            metrics.watch_learning(pool.name, self.learning[pool.name])
         self.control: Control | None = None  # the autoscaling loop counts what we decide
         self.tracing: Tracing = Tracing(TracingConfig())  # off unless the service sets it
         self.decision_log = (decisionlog.DecisionLog(config.decision_log)
@@ -224,39 +209,30 @@ class Gate:
                 log.warning("pool %s has no tokenizer: prompt tokens are estimated at %.1f bytes"
                             " per token", pool.name, pool.bytes_per_token)
 
-    def predictor(self, pool: str) -> OutputPredictor:
-        """The pool's output-length predictor: every cost this gate computes uses it."""
-        return self._predictors[pool]
-
     def learn_lengths(self, pool: str, finished: Sequence[Bucket]) -> None:
         """One scrape round of the pool's engines: forget a round's worth, then add the
         outputs that finished since the last round (``EngineStats.on_lengths``)."""
-        learning = self._learning.get(pool)
-        if learning is None:
+        factor = self._decay.get(pool)
+        if factor is None:
             return
-        observed, factor = learning
-        observed.decay(factor)
+        lengths = self.learning[pool].lengths
+        lengths.decay(factor)
         for low, high, count in finished:
-            observed.observe_bucket(low, high, count)
+            lengths.observe_bucket(low, high, count)
 
-    def _cost_for(self, request: InferenceRequest, pool: Pool, text_tokens: int) -> Cost:
-        return cost_for(request, pool, text_tokens, self._predictors[pool.name])
-
-    def policy(self, route: Route, headers: Mapping[str, str]) -> Policy:
-        """The class policy, with the deadline tightened (never loosened) by the client."""
-        cls = self.config.classes[route.service_class]
-        deadline = cls.deadline_ms
+    def deadline(self, headers: Mapping[str, str]) -> float | None:
+        """The client's deadline header in ms (it can only tighten the class deadline)."""
         raw = headers.get(self.config.deadline_header)
-        if raw is not None:
-            try:
-                asked = float(raw)
-            except ValueError:
-                asked = float("nan")
-            if not asked > 0 or asked == float("inf"):
-                raise BadRequest(f"header {self.config.deadline_header} must be a positive"
-                                 " number of milliseconds")
-            deadline = min(deadline, asked)
-        return Policy(deadline_ms=deadline, safety_factor=cls.safety_factor, ttft_ms=cls.ttft_ms)
+        if raw is None:
+            return None
+        try:
+            asked = float(raw)
+        except ValueError:
+            asked = float("nan")
+        if not asked > 0 or asked == float("inf"):
+            raise BadRequest(f"header {self.config.deadline_header} must be a positive"
+                             " number of milliseconds")
+        return asked
 
     async def check(self, route: Route, path: str, headers: Mapping[str, str],
                     body: bytes, trace: Mapping[str, str] | None = None,
@@ -286,61 +262,65 @@ class Gate:
                      body: bytes, tenant: Tenant | None = None) -> Verdict:
         cls = route.service_class
         try:
-            policy = self.policy(route, headers)
+            deadline = self.deadline(headers)
             request = parse(route.api, body, path=path)
         except RequestError as exc:
             return self._refuse(exc, None, cls)
         pool = self.config.pool_for(request.model)
         if pool is None:
             return Verdict(Outcome.PASS, Reason.UNMANAGED, service_class=cls)
-        capacity = self.capacity.capacity(pool.name)
+        replicas = self.capacity.capacity(pool.name).replicas
         stats = self.engines.get(pool.name)
         engines = stats.latest(pool.name) if stats is not None else None  # once per decision
+        self.learning[pool.name].arrived(self.config.classes[cls].batch, self._clock())
         try:
-            cost, uncounted = await self._cost(request, pool, policy, capacity, engines)
+            ask, uncounted = await self._ask(request, pool, cls, deadline, replicas, engines)
         except RequestError as exc:
             return self._refuse(exc, pool.name, cls)
         started = time.perf_counter()
-        verdict = await self._admit(pool, cls, cost, policy, capacity, engines)
+        verdict = await self._admit(pool, ask, replicas, engines)
         if (uncounted is not None and verdict.ticket is not None
                 and self._pending_counts < MAX_PENDING_COUNTS):
             self._pending_counts += 1
             verdict.ticket.correction = asyncio.create_task(
-                self._correct(verdict.ticket, request, pool, uncounted, capacity))
+                self._correct(verdict.ticket, request, pool, uncounted, ask, replicas))
         if self.tracing.enabled:
             verdict = dataclasses.replace(verdict, trace={
                 "model": request.model, "max_tokens": request.max_tokens,
                 "stream": request.stream,
                 "ledger_ms": round((time.perf_counter() - started) * 1000.0, 3),
-                "capacity_replicas": capacity.replicas})
+                "capacity_replicas": replicas})
         if tenant is not None:
             verdict = dataclasses.replace(verdict, tenant=tenant)
         if self.decision_log is not None:
-            self._log_decision(verdict, cost, policy)
+            self._log_decision(verdict)
         return verdict
 
-    def _log_decision(self, verdict: Verdict, cost: Cost, policy: Policy) -> None:
+    def _log_decision(self, verdict: Verdict) -> None:
         """One line for ``extproc replay`` (``extproc.decisionlog``): written now, or when the
         request's stream ends if it runs (the line then carries its measured duration)."""
-        assert self.decision_log is not None
-        d = verdict.decision
+        assert self.decision_log is not None and verdict.admission is not None
+        adm = verdict.admission
+        d = adm.decision
         record = decisionlog.Record(
-            time.time(), verdict.pool or "", verdict.service_class or "", cost.prompt_tokens,
-            cost.output_tokens, policy.deadline_ms, verdict.outcome.value,
-            verdict.reason.value, self.config.mode.value,
+            time.time(), verdict.pool or "", verdict.service_class or "",
+            adm.cost.prompt_tokens, adm.cost.output_tokens, adm.policy.deadline_ms,
+            verdict.outcome.value, verdict.reason.value, self.config.mode.value,
             d.completion_ms if d else None, d.wait_ms if d else None,
-            tenant=verdict.tenant.name if verdict.tenant is not None else None)
+            tenant=verdict.tenant.name if verdict.tenant is not None else None,
+            promised_tokens=round(adm.cost.promised, 1))
         if verdict.ticket is not None:
             verdict.ticket.log = decisionlog.Pending(record, self._clock())
         else:
             self.decision_log.write(record)
 
-    async def _admit(self, pool: Pool, cls: str, cost: Cost, policy: Policy,
-                     capacity: Capacity, engines: PoolStats | None = None) -> Verdict:
+    async def _admit(self, pool: Pool, ask: Ask, replicas: int,
+                     engines: PoolStats | None = None) -> Verdict:
         """Decide on the ledger's snapshot and record atomically, within the deadline; apply
         the fault policy when the ledger does not answer (module docstring)."""
         request_id = uuid.uuid4().hex
         sent = False  # a reserve went out: it may have landed even if no answer came back
+        learning = self.learning[pool.name]
         try:
             async with asyncio.timeout(self.config.ledger.decision_deadline_ms / 1000.0):
                 for _ in range(RESERVE_ATTEMPTS):
@@ -349,58 +329,47 @@ class Gate:
                     self._ledger_back()
                     self.metrics.outstanding.labels(pool.name).set(
                         snapshot.outstanding_ms / 1000.0)
-                    seen, fix = self._corrected(pool, snapshot, engines, cost, capacity)
-                    verdict = self._verdict(
-                        decide(cost, seen, capacity, policy, now=self._clock()),
-                        pool.name, cls, cost)
+                    fix = self._correction(pool, snapshot, engines)
+                    verdict = self._verdict(admit(ask, pool, self.config, learning, snapshot,
+                                                  replicas, self._clock(), fix), pool.name)
                     if verdict.blocks:
                         return verdict
                     entry = self._entry(request_id, pool.name, verdict)
                     # Shadow mode and infeasible-but-passed requests run whatever the ledger
                     # holds: they are recorded without a ceiling.
-                    ceiling = verdict.decision.ceiling_ms if verdict.decision else None
-                    if ceiling is not None:
-                        # decide's ceiling holds the correction's work; the ledger checks it
-                        # against its own sum, which never does: left in, other gateways'
-                        # admissions since the snapshot would get that much more room.
-                        ceiling -= fix.extra_ms
+                    assert verdict.admission is not None
+                    ceiling = verdict.admission.ceiling_ms if verdict.enforced else None
                     sent = True
-                    if await self._ledger("reserve", self.ledger.reserve(
-                            entry, ceiling if verdict.enforced else None)):
-                        return dataclasses.replace(verdict, ticket=self._ticket(entry, cls))
+                    if await self._ledger("reserve", self.ledger.reserve(entry, ceiling)):
+                        return dataclasses.replace(verdict,
+                                                   ticket=self._ticket(entry, verdict))
                     # Refused: another gateway took the room since our snapshot. Again.
                 return _contended(verdict)
         except (LedgerUnavailable, TimeoutError) as exc:
-            return self._unavailable(exc, request_id if sent else None, pool, cls, cost,
-                                     policy, capacity, engines)
+            return self._unavailable(exc, request_id if sent else None, pool, ask, replicas,
+                                     engines)
         except asyncio.CancelledError:
             if sent:  # the stream went away mid-decision: undo a reserve that may have landed
                 self._defer_release(request_id, pool.name)
             raise
 
-    def _verdict(self, decision: Decision, pool: str, cls: str, cost: Cost) -> Verdict:
-        enforced = self.config.mode is Mode.ENFORCE
-        verdict = Verdict(decision.outcome, decision.reason, pool, cls, decision,
-                          enforced=enforced, prompt_tokens=cost.prompt_tokens,
-                          output_tokens=cost.output_tokens)
-        if decision.reason is Reason.INFEASIBLE and self.config.infeasible is Infeasible.REJECT:
-            error = BadRequest(
-                "request cannot finish within its deadline even on an idle fleet; lower"
-                " max_tokens or raise the deadline", code="deadline_infeasible")
-            verdict = dataclasses.replace(verdict, outcome=Outcome.INVALID, error=error)
-        return verdict
+    def _verdict(self, adm: Admission, pool: str) -> Verdict:
+        return Verdict(adm.outcome, adm.reason, pool, adm.service_class, adm.decision,
+                       error=adm.error, enforced=self.config.mode is Mode.ENFORCE,
+                       prompt_tokens=adm.cost.prompt_tokens,
+                       output_tokens=adm.cost.output_tokens, admission=adm)
 
-    def _unavailable(self, exc: Exception, sent: str | None, pool: Pool, cls: str, cost: Cost,
-                     policy: Policy, capacity: Capacity, engines: PoolStats | None) -> Verdict:
+    def _unavailable(self, exc: Exception, sent: str | None, pool: Pool, ask: Ask,
+                     replicas: int, engines: PoolStats | None) -> Verdict:
         """The fault policy. The decision is always made on the local view (fail-closed
         keeps it only for metrics and the Retry-After hint, and for shadow mode)."""
         on_unavailable = self.config.ledger.on_unavailable
         self._ledger_away(exc, on_unavailable)
         self.metrics.ledger_fallbacks.labels(pool.name, on_unavailable.value).inc()
-        view = self._views.setdefault(pool.name, _View())
-        seen, _ = self._corrected(pool, view.snapshot(), engines, cost, capacity)
-        verdict = self._verdict(decide(cost, seen, capacity, policy, now=self._clock()),
-                                pool.name, cls, cost)
+        local = self._views.setdefault(pool.name, _View()).snapshot()
+        fix = self._correction(pool, local, engines)
+        verdict = self._verdict(admit(ask, pool, self.config, self.learning[pool.name], local,
+                                      replicas, self._clock(), fix), pool.name)
         if on_unavailable is OnUnavailable.FAIL_CLOSED and verdict.outcome is not Outcome.INVALID:
             # Fail-closed: we cannot record the request, so we do not let it run.
             verdict = dataclasses.replace(verdict, outcome=Outcome.REJECT,
@@ -411,7 +380,7 @@ class Gate:
             return verdict
         # Fail-open (or shadow mode): it runs, so it is counted locally and recorded later.
         entry = self._entry(sent or uuid.uuid4().hex, pool.name, verdict)
-        return dataclasses.replace(verdict, ticket=self._ticket(entry, cls, recorded=False))
+        return dataclasses.replace(verdict, ticket=self._ticket(entry, verdict, recorded=False))
 
     def _ledger_away(self, exc: Exception, on_unavailable: OnUnavailable) -> None:
         self._down_decisions += 1
@@ -461,27 +430,36 @@ class Gate:
         return Verdict(Outcome.INVALID, reason, pool, cls, error=error,
                        enforced=True)
 
-    async def _cost(self, request: InferenceRequest, pool: Pool, policy: Policy,
-                    capacity: Capacity, engines: PoolStats | None = None,
-                    ) -> tuple[Cost, _Uncounted | None]:
-        """The request's cost, exact or (long new text, decision not close) estimated; then
-        also what is still to count (module docstring)."""
+
+    def _ask_for(self, request: InferenceRequest, pool: Pool, cls: str,
+                 deadline: float | None, text_tokens: int) -> Ask:
+        return Ask(cls, prompt_tokens(request, pool, text_tokens), request.max_tokens,
+                   request.choices, deadline, request.prefill_only)
+
+    async def _ask(self, request: InferenceRequest, pool: Pool, cls: str,
+                   deadline: float | None, replicas: int, engines: PoolStats | None = None,
+                   ) -> tuple[Ask, _Uncounted | None]:
+        """The request's ask, its prompt counted exactly or (long new text, decision not
+        close) estimated; then also what is still to count (module docstring)."""
         counter = self._counters[pool.name]
         known, missing = counter.cached(request.texts)
         chars = sum(len(t) for t in missing)
         if not missing or not counter.exact or chars <= ESTIMATE_CHARS:
             how = "counted" if missing else "cached"
             self.metrics.prompt_counts.labels(pool.name, how).inc()
-            return self._cost_for(request, pool, known + counter.count(missing)), None
+            text = known + counter.count(missing)
+            return self._ask_for(request, pool, cls, deadline, text), None
         calibration = self._calibrations[pool.name]
         guess = calibration.estimate(chars)
-        estimated = self._cost_for(request, pool, known + guess)
-        low, high = (self._cost_for(request, pool, known + round(guess * (1.0 + m)))
+        estimated = self._ask_for(request, pool, cls, deadline, known + guess)
+        low, high = (self._ask_for(request, pool, cls, deadline,
+                                   known + round(guess * (1.0 + m)))
                      for m in (-calibration.margin, calibration.margin))
-        local, _ = self._corrected(pool, self._views.get(pool.name, _View()).snapshot(),
-                                   engines, estimated, capacity)
-        now = self._clock()
-        a, b = (decide(c, local, capacity, policy, now) for c in (low, high))
+        local = self._views.get(pool.name, _View()).snapshot()
+        fix = self._correction(pool, local, engines)
+        now, learning = self._clock(), self.learning[pool.name]
+        a, b = (admit(x, pool, self.config, learning, local, replicas, now, fix)
+                for x in (low, high))
         if (a.outcome, a.reason) == (b.outcome, b.reason):
             self.metrics.prompt_counts.labels(pool.name, "estimated").inc()
             return estimated, _Uncounted(missing, chars, known)
@@ -489,24 +467,26 @@ class Gate:
         tokens = await asyncio.get_running_loop().run_in_executor(
             self._counting, counter.count, missing)
         calibration.learn(chars, tokens)
-        return self._cost_for(request, pool, known + tokens), None
+        return self._ask_for(request, pool, cls, deadline, known + tokens), None
 
-    def _corrected(self, pool: Pool, snapshot: Snapshot, engines: PoolStats | None,
-                   cost: Cost, capacity: Capacity) -> tuple[Snapshot, Correction]:
-        """The snapshot ``decide`` sees: the ledger's plus the work the pool's engines hold
-        that it does not know about (``extproc.enginestats.correction``; nothing while their
-        scrapes are stale). An unseen request is charged the ledger's mean, or this request's
-        own charge on an empty ledger, as ``decide`` does for its mean."""
+    def _correction(self, pool: Pool, snapshot: Snapshot,
+                    engines: PoolStats | None) -> Correction:
+        """The work the pool's engines hold that the ledger does not know about
+        (``extproc.enginestats.correction``; nothing while their scrapes are stale). An unseen
+        request is charged the ledger's mean, or the pool's mean request on an empty ledger."""
         settings = pool.engine_metrics
         if engines is None or settings is None:
-            return snapshot, NO_CORRECTION
-        fix = correction(snapshot, engines, fallback_request_ms=charge_ms(cost, capacity),
+            return NO_CORRECTION
+        mix = self.learning[pool.name].mix()
+        fix = correction(snapshot, engines,
+                         fallback_request_ms=pool.engine.request_ms(mix.prompt_tokens,
+                                                                    mix.output_tokens),
                          tolerance=settings.tolerance, slack=settings.slack)
         self.metrics.engine_correction.labels(pool.name).set(fix.extra_inflight)
-        return fix.apply(snapshot), fix
+        return fix
 
     async def _correct(self, ticket: Ticket, request: InferenceRequest, pool: Pool,
-                       uncounted: _Uncounted, capacity: Capacity) -> None:
+                       uncounted: _Uncounted, ask: Ask, replicas: int) -> None:
         """Count a prompt admitted on an estimate exactly, off the event loop, and charge its
         ledger entry the exact cost. One ledger call: if the ledger does not answer, the
         estimate stays on the entry (the renewer re-records a lost entry at the exact cost)."""
@@ -520,7 +500,9 @@ class Gate:
         self._calibrations[pool.name].learn(uncounted.chars, tokens)
         if ticket.settled:
             return
-        exact = charge_ms(self._cost_for(request, pool, uncounted.known + tokens), capacity)
+        exact_ask = dataclasses.replace(
+            ask, prompt_tokens=prompt_tokens(request, pool, uncounted.known + tokens))
+        exact = charge_of(exact_ask, pool, self.learning[pool.name], replicas)
         view = self._views.get(pool.name)
         if view is not None:
             view.outstanding_ms += exact - ticket.cost_ms
@@ -530,19 +512,24 @@ class Gate:
 
     def _entry(self, request_id: str, pool: str, verdict: Verdict) -> Entry:
         """Every request that reaches the backend is in the ledger, admitted or not (shadow
-        mode, infeasible-passed): it occupies the GPUs. Its lease: expected finish + grace."""
+        mode, infeasible-but-passed): it occupies the GPUs. Its lease: expected finish + grace."""
         assert verdict.decision is not None
         lease_ms = verdict.decision.completion_ms + self.config.ledger.lease_grace_ms
         return Entry(request_id, pool, verdict.decision.service_ms, lease_ms)
 
-    def _ticket(self, entry: Entry, cls: str, *, recorded: bool = True) -> Ticket:
-        ticket = Ticket(entry.request_id, entry.pool, cls, entry.lease_ms, cost_ms=entry.cost_ms,
-                        recorded=recorded)
+    def _ticket(self, entry: Entry, verdict: Verdict, *, recorded: bool = True) -> Ticket:
+        adm = verdict.admission
+        assert adm is not None
+        ticket = Ticket(entry.request_id, entry.pool, adm.service_class, entry.lease_ms,
+                        cost_ms=entry.cost_ms, recorded=recorded, started=self._clock(),
+                        deadline_s=adm.policy.deadline_ms / 1000.0, batch=adm.policy.batch,
+                        unavoidable=adm.unavoidable)
         ticket.renewer = asyncio.create_task(self._renew(ticket))
         view = self._views.setdefault(entry.pool, _View())
         view.inflight += 1
         view.outstanding_ms += entry.cost_ms
         self.metrics.inflight(entry.pool, +1)
+        self.learning[entry.pool].admitted(adm.cost.prompt_tokens)
         return ticket
 
     async def _renew(self, ticket: Ticket) -> None:
@@ -567,6 +554,11 @@ class Gate:
         """Release a ticket's entry; shielded, so a cancelled stream still releases.
         ``completed``: the request ended normally (not cancelled, not failed)."""
         ticket.settled = True
+        now = self._clock()
+        self.learning[ticket.pool].settled(
+            ticket.service_class, batch=ticket.batch, seconds=now - ticket.started,
+            deadline_s=ticket.deadline_s, completed=completed, unavoidable=ticket.unavoidable,
+            now=now)
         if self.control is not None:
             self.control.settled(ticket, completed)
         if ticket.renewer is not None:

@@ -8,7 +8,7 @@ default tenant or ``other``. Nothing derived from a request's content is ever a 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -19,16 +19,17 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from extproc.config import Mode
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
 
     from extproc.autoscale import Recommendation, Window
     from extproc.capacity import Replicas
     from extproc.enginestats import PoolStats
     from extproc.gate import Verdict
+    from extproc.learning import PoolLearning
 
 _WAIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.01, 0.025,
@@ -151,9 +152,11 @@ class Metrics:
             " ledger's view at the pool's last decision.", ["pool"], registry=self.registry)
         self.output_tokens_predicted = Gauge(
             "extproc_output_tokens_predicted",
-            "Output tokens predicted for the pool's requests, learned from the engines'"
-            " vllm:request_generation_tokens: kind expected (mean) or long (p99); NaN until"
-            " enough outputs are seen.", ["pool", "kind"], registry=self.registry)
+            "Output tokens of the pool's requests as learned (a prior, then the engines'"
+            " vllm:request_generation_tokens): kind expected (mean) or long (p99).",
+            ["pool", "kind"], registry=self.registry)
+        self._learning: dict[str, PoolLearning] = {}
+        self.registry.register(_Promises(self._learning))
         self.tls_reloads = Counter(
             "extproc_tls_reloads",
             "Changed certificate files found on the listener: served (ok) or refused.",
@@ -171,16 +174,14 @@ class Metrics:
         self.engine_stale.labels(pool).set_function(lambda: int(latest().stale))
         self.engine_correction.labels(pool).set(0)
 
-    def watch_outputs(self, pool: str,
-                      learned: Callable[[], tuple[float, float] | None]) -> None:
-        """The pool's learned output lengths, read from ``learned()`` when Prometheus
-        scrapes (``Observed.learned``: None until it has seen enough)."""
-        def read(i: int) -> float:
-            got = learned()
-            return math.nan if got is None else got[i]
-
-        self.output_tokens_predicted.labels(pool, "expected").set_function(lambda: read(0))
-        self.output_tokens_predicted.labels(pool, "long").set_function(lambda: read(1))
+    def watch_learning(self, pool: str, learning: PoolLearning) -> None:
+        """The pool's learned state, read when Prometheus scrapes: its output lengths (the
+        mean, the 99th percentile) and each class's promise quantile."""
+        lengths = learning.lengths
+        self.output_tokens_predicted.labels(pool, "expected").set_function(lengths.mean)
+        self.output_tokens_predicted.labels(pool, "long").set_function(
+            lambda: lengths.quantile(0.99))
+        self._learning[pool] = learning
 
     def tls_reload(self, ok: bool) -> None:
         self.tls_reloads.labels("ok" if ok else "refused").inc()
@@ -221,3 +222,26 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Promises:
+    """Each pool and class's promise (``extproc.learning.Promise``), read when scraped: the
+    quantile admission promises, and the hits and misses that moved it."""
+
+    def __init__(self, learning: Mapping[str, PoolLearning]) -> None:
+        self.learning = learning
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        quantile = GaugeMetricFamily(
+            "extproc_promise_quantile", "The output-length quantile admission promises each"
+            " request, held by feedback on measured attainment.", labels=["pool", "class"])
+        settled = CounterMetricFamily(
+            "extproc_promise_settled", "Admitted requests whose end fed the promise: within"
+            " their deadline (hit) or past it (miss).", labels=["pool", "class", "result"])
+        for pool, learning in self.learning.items():
+            for cls, promise in learning.promises.items():
+                quantile.add_metric([pool, cls], promise.quantile)
+                settled.add_metric([pool, cls, "hit"], promise.hits)
+                settled.add_metric([pool, cls, "miss"], promise.misses)
+        yield quantile
+        yield settled

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from extproc import config
-from extproc.admission import charge_ms
 from extproc.capacity import StaticCapacity
-from extproc.estimate import Calibration, TokenizerCounter, cost_for
+from extproc.estimate import Calibration, TokenizerCounter, prompt_tokens
 from extproc.gate import ESTIMATE_CHARS, MAX_PENDING_COUNTS, Gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
 from extproc.request import parse
+from extproc.step import Ask, charge_of
 
 WORDS = ("the", "patient", "reports", "mild", "pain", "after", "surgery", "and", "asks",
          "whether", "the", "dose", "should", "change;", "summarize", "the", "history,", "list",
@@ -120,8 +120,10 @@ async def test_a_long_cold_prompt_is_decided_on_an_estimate_and_the_ledger_made_
     await verdict.ticket.correction
     pool = cfg.pools[0]
     request = parse(route.api, chat(text))
-    exact = charge_ms(cost_for(request, pool, TokenizerCounter(llama3_tokenizer).count(
-        request.texts)), StaticCapacity(cfg.pools).capacity("llama"))
+    exact_prompt = prompt_tokens(request, pool,
+                                 TokenizerCounter(llama3_tokenizer).count(request.texts))
+    exact = charge_of(Ask("latency", exact_prompt, request.max_tokens), pool,
+                      gate.learning["llama"], 1)
     assert (await ledger.snapshot("llama")).outstanding_ms == pytest.approx(exact, rel=1e-12)
     assert verdict.ticket.cost_ms == pytest.approx(exact, rel=1e-12)
     await gate.settle(verdict.ticket)

@@ -1,8 +1,10 @@
 import pytest
 
 from extproc.config import Pool
-from extproc.estimate import ByteCounter, TokenizerCounter, counter_for, estimate
+from extproc.estimate import ByteCounter, TokenizerCounter, counter_for, prompt_tokens
+from extproc.learning import learning_for
 from extproc.request import InferenceRequest
+from extproc.step import Ask, cost_of
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +47,18 @@ def test_counter_for_falls_back_to_bytes_without_tokenizer(llama3_tokenizer: str
     assert counter_for(Pool(name="p", tokenizer=llama3_tokenizer)).exact
 
 
-def test_estimate_adds_template_and_flat_part_costs(llama3: TokenizerCounter) -> None:
-    pool = Pool(name="p", message_overhead_tokens=4, non_text_part_tokens=100,
-                default_max_tokens=300)
+def test_the_prompt_adds_template_and_flat_part_costs(llama3: TokenizerCounter) -> None:
+    pool = Pool(name="p", message_overhead_tokens=4, non_text_part_tokens=100)
     req = InferenceRequest(model="m", texts=("Hello, world!",), messages=2, non_text_parts=1)
-    cost = estimate(req, pool, llama3)
-    assert cost.prompt_tokens == 4 + 2 * 4 + 100
-    assert cost.output_tokens == 300  # the pool default when max_tokens is absent
+    assert prompt_tokens(req, pool, llama3.count(req.texts)) == 4 + 2 * 4 + 100
+    ids = InferenceRequest(model="m", texts=(), token_ids=7)
+    assert prompt_tokens(ids, pool, 0) == 7
 
 
-def test_estimate_output_is_max_tokens_times_choices_and_zero_for_embeddings(
-        llama3: TokenizerCounter) -> None:
-    pool = Pool(name="p")
-    gen = InferenceRequest(model="m", texts=(), token_ids=7, max_tokens=50, choices=3)
-    assert estimate(gen, pool, llama3).output_tokens == 150
-    assert estimate(gen, pool, llama3).prompt_tokens == 7
-    emb = InferenceRequest(model="m", texts=("a b c",), choices=0, prefill_only=True)
-    assert estimate(emb, pool, llama3).output_tokens == 0
+def test_the_charge_is_max_tokens_times_choices_and_zero_for_embeddings() -> None:
+    pool = Pool(name="p", default_max_tokens=300)
+    learning = learning_for(pool)
+    assert cost_of(Ask("latency", 10, 50, choices=3), pool, learning).output_tokens == 150
+    assert cost_of(Ask("latency", 10, None), pool, learning).output_tokens == 300
+    embedding = cost_of(Ask("throughput", 10, None, prefill_only=True), pool, learning)
+    assert (embedding.output_tokens, embedding.typical, embedding.promised) == (0, 0.0, 0.0)

@@ -1,6 +1,6 @@
 """Output lengths learned in production: the engines' ``vllm:request_generation_tokens``
-histogram, scraped, feeds each pool's ``Observed`` (extproc.enginestats, extproc.estimate),
-and the gate's costs carry what it learned."""
+histogram, scraped, feeds each pool's ``Lengths`` (extproc.enginestats, extproc.lengths), and
+the gate's costs carry what it learned."""
 
 from __future__ import annotations
 
@@ -18,14 +18,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import config
-from extproc.admission import Snapshot, decide
 from extproc.capacity import StaticCapacity
 from extproc.enginestats import EngineStats, histogram_increase, parse
 from extproc.errors import ConfigError
-from extproc.estimate import Configured, Observed, cost_of, decay_factor
 from extproc.fakebackend import TOKEN_BUCKETS
 from extproc.gate import Gate
 from extproc.ledger.memory import MemoryLedger
+from extproc.lengths import Lengths, Prior, decay_factor
 from extproc.metrics import Metrics
 from extproc.stack import Process, free_port, wait_http
 from tests.extproc_client import chat
@@ -97,11 +96,10 @@ def test_coarse_buckets_spread_log_uniformly_recover_mean_and_p99(
         median: float, sigma: float, long_over: float) -> None:
     lengths = lognormal(median, sigma, 20_000)
     mean, p99 = truth(lengths)
-    observed = Observed(min_samples=50)
+    observed = Lengths(Prior(mean=mean, p99=p99))  # 20 outputs' worth: negligible here
     for low, high, count in binned(lengths):
         observed.observe_bucket(low, high, count)
-    got = observed.learned()
-    assert got is not None
+    got = (observed.mean(), observed.quantile(0.99))
     assert abs(got[0] - mean) <= 0.15 * mean, (got, mean)
     # Log-uniform within a bucket puts too much of a falling tail near the bucket's top: the
     # p99 comes out high (the safe side for a promise), never more than long_over x the truth.
@@ -112,25 +110,14 @@ def test_one_count_at_one_point_would_be_worse() -> None:
     """Why spread: all of (50, 100] at 100 puts the narrow case's p99 at 100, +30%."""
     lengths = lognormal(24.0, 0.5, 20_000)
     _, p99 = truth(lengths)
-    pointwise = Observed(min_samples=50)
+    pointwise = Lengths(Prior(mean=24.0, p99=76.0))
     for _, high, count in binned(lengths):
         pointwise.observe(min(high, 1e5), count)
-    spread = Observed(min_samples=50)
+    spread = Lengths(Prior(mean=24.0, p99=76.0))
     for low, high, count in binned(lengths):
         spread.observe_bucket(low, high, count)
-    assert (spread.learned() or (0, 0))[1] < (pointwise.learned() or (0, 0))[1]
-    assert (pointwise.learned() or (0, 0))[1] > 1.25 * p99
-
-
-def test_bucket_edges_and_the_inf_bucket() -> None:
-    observed = Observed(min_samples=1)
-    observed.observe_bucket(0.0, 1.0, 10.0)  # all one token
-    assert observed.learned() == pytest.approx((1.0, 1.0), abs=0.02)  # p99 within (0, 1]
-    top = Observed(min_samples=1, quantile=0.5)
-    top.observe_bucket(20_000.0, math.inf, 4.0)  # beyond every bound: the top cell
-    assert top.learned() == pytest.approx((1e5, 1e5))
-    top.observe_bucket(5.0, 5.0, 0.0)  # nothing: no change
-    assert top.samples == 4.0
+    assert spread.quantile(0.99) < pointwise.quantile(0.99)
+    assert pointwise.quantile(0.99) > 1.25 * p99
 
 
 def test_the_memory_is_the_same_in_seconds_whatever_the_interval() -> None:
@@ -218,51 +205,42 @@ async def check(gate: Gate) -> Any:
     return route, verdict
 
 
-def charged_with(gate: Gate, route: Any, verdict: Any, expected: float | None,
-                 long: float | None) -> float:
-    """The completion time ``decide`` gives the same request with this prediction."""
-    pool = gate.config.pools[0]
-    cost = cost_of(verdict.prompt_tokens, 2000, 1, pool,
-                   predictor=Configured(expected, long))
-    capacity = StaticCapacity(gate.config.pools).capacity("llama")
-    return decide(cost, Snapshot(0, 0.0), capacity, gate.policy(route, {}),
-                  now=0.0).completion_ms
-
-
 async def test_the_gate_learns_output_lengths_from_the_engines(backend: str) -> None:
     lengths = lognormal(24.0, 0.5, SENT)
     mean, p99 = truth(lengths)
     gate, stats, metrics = gate_for(backend)
     assert stats.on_lengths is not None
-    assert gauge(metrics, "expected") is not None and math.isnan(gauge(metrics, "expected")
-                                                                  or 0.0)
+    prior = gauge(metrics, "expected")
+    assert prior == pytest.approx(Prior.mean, rel=0.05)  # a fresh pool prices by its prior
 
     await learn(gate, stats, backend, lengths)
 
     expected, long = gauge(metrics, "expected"), gauge(metrics, "long")
     assert expected is not None and long is not None
     assert abs(expected - mean) <= 0.15 * mean, (expected, mean)
-    assert 0.9 * p99 <= long <= 1.3 * p99, (long, p99)
-    assert gate.predictor("llama").predict(10, 2000) == pytest.approx((expected, long))
-    # the decision's cost carried them: decide with them gives the gate's completion time,
-    # far from charging max_tokens (2,000) in full
-    route, verdict = await check(gate)
-    assert verdict.decision is not None
-    got = verdict.decision.completion_ms
-    assert got == pytest.approx(charged_with(gate, route, verdict, expected, long))
-    assert got < 0.2 * charged_with(gate, route, verdict, None, None)
+    assert 0.9 * p99 <= long <= 1.4 * p99, (long, p99)
+    # the decision's cost carried them: its typical length is the learned mean, its promise a
+    # quantile of the learned lengths (q = 0.99 before any feedback), not max_tokens (2,000)
+    _, verdict = await check(gate)
+    assert verdict.admission is not None
+    cost = verdict.admission.cost
+    learned = gate.learning["llama"]
+    assert cost.typical == pytest.approx(expected, rel=0.01)  # mean of min(output, 2000)
+    # (settling the request fed the promise a hit since: it moved a hair)
+    assert cost.promised == pytest.approx(
+        learned.lengths.quantile(learned.promise("latency").quantile), rel=0.01)
+    assert cost.promised < 0.1 * cost.output_tokens
 
 
 async def test_learning_can_be_turned_off(backend: str) -> None:
     gate, stats, metrics = gate_for(backend, learn_output_lengths=False)
     assert stats.on_lengths is None
     await learn(gate, stats, backend, lognormal(24.0, 0.5, SENT))
-    assert gauge(metrics, "expected") is None  # not exported for this pool
-    assert gate.predictor("llama").predict(10, 2000) == (None, None)  # charge in full
-    route, verdict = await check(gate)
-    assert verdict.decision is not None
-    assert verdict.decision.completion_ms == pytest.approx(
-        charged_with(gate, route, verdict, None, None))
+    assert gate.learning["llama"].lengths.seen == 0  # the prior alone
+    assert gauge(metrics, "expected") == pytest.approx(Prior.mean, rel=0.05)
+    _, verdict = await check(gate)
+    assert verdict.admission is not None
+    assert verdict.admission.cost.typical == pytest.approx(Prior.mean, rel=0.05)
 
 
 def test_the_config_key_is_validated_by_name() -> None:

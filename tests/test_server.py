@@ -129,9 +129,16 @@ async def test_client_deadline_header_tightens_and_bad_values_are_400(
     await s.send(headers(**{"x-admission-deadline-ms": "soon"}))
     resp = await s.send(body(chat()))
     assert resp.immediate_response.status.code == 400
-    # 100 output tokens take ~1.9 s idle: a 1 s deadline makes it infeasible, which passes
+    # 100 output tokens take ~1.9 s idle: a 1 s deadline makes it infeasible, and a deadline
+    # the client tightened gets the request refused (400), never let through unmanaged
     s = Stream(stub)
     await s.send(headers(**{"x-admission-deadline-ms": "1000"}))
+    resp = await s.send(body(chat()))
+    assert resp.immediate_response.status.code == 400
+    assert b"deadline_infeasible" in resp.immediate_response.body
+    # a looser header changes nothing: the class deadline stands
+    s = Stream(stub)
+    await s.send(headers(**{"x-admission-deadline-ms": "99999999"}))
     assert (await s.send(body(chat()))).HasField("request_body")
     await s.close()
 

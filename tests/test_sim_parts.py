@@ -1,11 +1,7 @@
-"""The simulator's small parts: the HPA baseline, the SDK-like clients, the output predictor."""
+"""The simulator's small parts: the HPA baseline and the SDK-like clients."""
 
 import random
 
-import pytest
-
-from extproc.config import Pool
-from extproc.estimate import ChargeInFull, Configured, Observed, cost_of, predictor_for
 from extproc.sim.autoscaler import HpaUtilization, Observation
 from extproc.sim.clients import ClientModel
 
@@ -41,37 +37,3 @@ def test_clients_honor_retry_after_within_the_sdk_limit() -> None:
     assert 0.75 <= waited <= 1.0
     assert all(0.5 * 0.75 <= client.backoff_s(0, rng) <= 0.5 for _ in range(100))
     assert client.backoff_s(10, rng) <= 8.0
-
-
-def test_observed_predicts_mean_and_tail_once_it_has_seen_enough() -> None:
-    fallback = Configured(100.0, 300.0)
-    seen = Observed(fallback=fallback, min_samples=50)
-    assert seen.predict(10, 512) == (100.0, 300.0)  # too few samples yet
-    rng = random.Random(1)
-    values = [rng.lognormvariate(5.0, 0.8) for _ in range(20_000)]
-    for v in values:
-        seen.observe(v)
-    mean, p99 = seen.predict(10, 512)
-    assert mean == pytest.approx(sum(values) / len(values), rel=0.02)
-    assert p99 == pytest.approx(sorted(values)[int(0.99 * len(values))], rel=0.1)
-
-
-def test_observed_forgets_as_it_decays() -> None:
-    seen = Observed(min_samples=10)
-    for _ in range(1000):
-        seen.observe(10)
-    seen.decay(0.01)
-    for _ in range(1000):
-        seen.observe(1000)
-    mean, _ = seen.predict(0, 5000)
-    assert mean is not None and mean > 950
-
-
-def test_a_pool_without_statistics_charges_max_tokens_in_full() -> None:
-    assert isinstance(predictor_for(Pool(name="p")), ChargeInFull)
-    cost = cost_of(100, None, 2, Pool(name="p", default_max_tokens=300))
-    assert (cost.output_tokens, cost.typical_tokens, cost.long_tokens) == (600, 600, 600)
-    pool = Pool(name="p", expected_output_tokens=120.0, long_output_tokens=700.0)
-    cost = cost_of(100, 1000, 1, pool)
-    assert (cost.typical_tokens, cost.long_tokens) == (120.0, 700.0)
-    assert cost_of(100, 50, 1, pool).long_tokens == 50  # never above max_tokens

@@ -52,6 +52,7 @@ class Attempt(Sequence):
         "abandoned",
         "aborted",
         "arrival",
+        "batch",
         "charged_tokens",
         "deadline_s",
         "finished_at",
@@ -66,6 +67,7 @@ class Attempt(Sequence):
         "replica",
         "started_at",
         "ttft_objective_s",
+        "unavoidable",
     )
 
     def __init__(self, job: Job, number: int, arrival: float, key: str, output_tokens: int,
@@ -88,6 +90,8 @@ class Attempt(Sequence):
         self.aborted = False  # the engine was told to drop it
         self.abandoned = False  # its client stopped waiting
         self.released = False
+        self.unavoidable = 0.0  # the admission step's: chance it misses even alone
+        self.batch = False  # its class is a batch class
 
     @property
     def good(self) -> bool:

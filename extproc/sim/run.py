@@ -17,6 +17,7 @@ expire in the simulator: no stream is ever lost, so the lease backstop has nothi
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -25,21 +26,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.admission import Capacity, Outcome, Policy, Reason
-from extproc.capacity import model_of
-from extproc.config import Config, Infeasible, Pool
+from extproc.admission import Outcome, Policy
+from extproc.config import Config, Pool
 from extproc.engine import EngineModel
-from extproc.estimate import Observed, cost_of, decay_factor, predictor_for
+from extproc.learning import PoolLearning
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
-from extproc.responses import retry_after_s
+from extproc.lengths import Prior, decay_factor
+from extproc.responses import retry_delay_ms
 from extproc.sim.autoscaler import Fixed, Observation, Recommender
 from extproc.sim.clients import Attempt, ClientModel
 from extproc.sim.engine import INF, Replica
-from extproc.sim.policies import AdmissionPolicy
+from extproc.sim.policies import AdmissionPolicy, EngineView
+from extproc.step import Ask, admit, capacity_for, class_policy, cost_of
 from extproc.workload import Job
 
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL = range(5)
+SCRAPE_S = 0.05  # how often a saturation detector's view of the engines is refreshed
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,6 @@ class Simulation:
                                          else Fixed(scenario.replicas))
         self._policies = {name: Policy(c.deadline_ms, c.safety_factor, c.ttft_ms)
                           for name, c in self.config.classes.items()}
-        self._capacity: Capacity = model_of(self.pool, 0)
         self._inflight: deque[Attempt] = deque()  # admitted, in admission order
         self._keys = 0
         self._window = _Window()
@@ -212,11 +214,14 @@ class Simulation:
         self._last_control = 0.0
         self._marks: dict[int, tuple[float, float, float]] = {}  # replica -> integrals seen
         self._pending_sends = 0
+        self._view = EngineView()
+        self._view_at = -INF
         # Every client waits the same timeout, so timeouts come due in the order they were
         # set: a FIFO instead of the heap (stale ones, for finished attempts, are skipped).
         self._timeouts: deque[tuple[float, Attempt]] = deque()
-        # What the gateway learns of output lengths: the engines' histogram of completions.
-        self.outputs = Observed(fallback=predictor_for(self.pool))
+        # What the gateway learns: output lengths (each completion), promises, demand, mix.
+        self.learning = PoolLearning(Prior(self.pool.expected_output_tokens or Prior.mean,
+                                           self.pool.long_output_tokens or Prior.p99))
         for _ in range(scenario.replicas):
             self._add_replica(ready=True)
 
@@ -246,7 +251,6 @@ class Simulation:
         r.ready_at = self.now
         r.last_t = self.now
         self.ready.append(r)
-        self._capacity = model_of(self.pool, len(self.ready))
 
     def _stop(self, r: Replica) -> None:
         r.accrue(self.now)
@@ -345,29 +349,42 @@ class Simulation:
 
     # ---- gateway ----
     def _send(self, job: Job, number: int) -> None:
+        """The gateway: the admission step (``extproc.step.admit``) for the product's
+        policies, the baseline's own rule for the others; then 400, 429 or the engines."""
         now = self.now
         res = self.result
         res.attempts += 1
         self._window.arrivals += 1
         self._sample.arrivals += 1
-        pool = self.pool
-        policy = self._policies[job.service_class]
-        if job.deadline_ms is not None and job.deadline_ms < policy.deadline_ms:
-            policy = Policy(job.deadline_ms, policy.safety_factor, policy.ttft_ms)
+        pool, config, learning = self.pool, self.config, self.learning
+        batch = config.classes[job.service_class].batch
+        learning.arrived(batch, now)
         charged = job.max_tokens or pool.default_max_tokens
         room = self.scenario.engine.max_model_len - job.prompt_tokens
         output = min(job.output_tokens, job.max_tokens or job.output_tokens, max(1, room))
+        ask = Ask(job.service_class, job.prompt_tokens, job.max_tokens, 1, job.deadline_ms,
+                  known_output_tokens=output if self.policy.clairvoyant else None)
+        snapshot = self.ledger.snapshot(pool.name)
+        if self.policy.uses_step:
+            adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now)
+            outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
+            policy = adm.policy
+            service = adm.decision.service_ms if adm.decision is not None else 0.0
+        else:
+            policy = class_policy(config, job.service_class, job.deadline_ms)
+            capacity = capacity_for(pool, len(self.ready), learning)
+            decision = self.policy.decide(cost_of(ask, pool, learning), output, snapshot,
+                                          capacity, policy, now, self._engine_view(now))
+            outcome, retry_ms, unavoidable = decision.outcome, decision.retry_after_ms, 0.0
+            service = decision.service_ms
         self._keys += 1
         a = Attempt(job, number, now, str(self._keys), output, charged,
                     policy.deadline_ms / 1000.0,
                     None if policy.ttft_ms is None else policy.ttft_ms / 1000.0)
-        snapshot = self.ledger.snapshot(pool.name)
-        cost = cost_of(job.prompt_tokens, job.max_tokens, 1, pool, predictor=self.outputs)
-        decision = self.policy.decide(cost, output, snapshot, self._capacity, policy, now)
-        outcome = decision.outcome
+        a.unavoidable, a.batch = unavoidable, batch
         if outcome is Outcome.REJECT:
             res.would_reject += 1
-        if decision.reason is Reason.INFEASIBLE and self.config.infeasible is Infeasible.REJECT:
+        if outcome is Outcome.INVALID:
             a.outcome = "refused"
             res.refused += 1
             res.jobs_failed += 1
@@ -379,8 +396,7 @@ class Simulation:
             self._sample.rejected += 1
             clients = self.scenario.clients
             if number < clients.max_retries:
-                hint = retry_after_s(decision.retry_after_ms, self.config.retry_after,
-                                     self.rng_gateway)
+                hint = retry_delay_ms(retry_ms, config.retry_after, self.rng_gateway) / 1000.0
                 delay = clients.after_429_s(hint, number, self.rng_clients)
                 self._push(now + delay, _SEND, (job, number + 1))
                 self._pending_sends += 1
@@ -392,17 +408,38 @@ class Simulation:
             res.unavailable += 1
             self._retry_or_fail(a)
             return
+        if job.prompt_tokens >= self.scenario.engine.max_model_len:
+            a.outcome = "refused"  # the engine's own 400: longer than the model's context
+            res.refused += 1
+            res.jobs_failed += 1
+            return
         a.outcome = "admitted"
         res.admitted += 1
         self._window.admitted += 1
         self._sample.admitted += 1
+        learning.admitted(job.prompt_tokens)
+        # No stream is lost here, so no lease needs to end one: every entry outlives its
+        # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
-        self.ledger.reserve(Entry(a.key, pool.name, decision.service_ms, lease_ms))
+        self.ledger.reserve(Entry(a.key, pool.name, service, lease_ms))
         self._inflight.append(a)
         target = self.target()
         assert target is not None
         target.submit(a, now)
         self._timeouts.append((now + self.scenario.clients.timeout_s, a))
+
+    def _engine_view(self, now: float) -> EngineView:
+        """The engines' metrics as last scraped: refreshed at a decision once 50 ms old (a
+        scraper polling every 50 ms, as GIE's does)."""
+        view = self._view
+        if now - self._view_at >= SCRAPE_S:
+            kv_total = self.scenario.engine.num_gpu_blocks
+            view = self._view = EngineView(
+                waiting=tuple(len(r.sched.waiting) for r in self.ready),
+                kv_usage=tuple(r.sched.kv_used_blocks / kv_total if kv_total else 0.0
+                               for r in self.ready))
+            self._view_at = now
+        return dataclasses.replace(view, age_s=now - self._view_at)
 
     def target(self) -> Replica | None:
         """The least-loaded ready replica (running + waiting): where a request goes."""
@@ -416,10 +453,16 @@ class Simulation:
                 target, best = r, load
         return target
 
-    def _release(self, a: Attempt) -> None:
-        if not a.released:
-            a.released = True
-            self.ledger.release(a.key, self.pool.name)
+    def _release(self, a: Attempt, completed: bool) -> None:
+        """The attempt's stream ended (its answer, or its client gone): the ledger entry goes
+        and the pool learns whether it met its deadline, as ``Gate.settle`` does."""
+        if a.released:
+            return
+        a.released = True
+        self.ledger.release(a.key, self.pool.name)
+        self.learning.settled(a.job.service_class, batch=a.batch,
+                              seconds=self.now - a.arrival, deadline_s=a.deadline_s,
+                              completed=completed, unavoidable=a.unavoidable, now=self.now)
 
     def _retry_or_fail(self, a: Attempt) -> None:
         clients = self.scenario.clients
@@ -434,7 +477,7 @@ class Simulation:
         if a.finished_at >= 0.0:
             return
         a.abandoned = True
-        self._release(a)  # the stream ends with a cancellation
+        self._release(a, completed=False)  # the stream ends with a cancellation
         if self.scenario.engine_aborts and a.replica is not None and a.replica.abort(a, self.now):
             self._finish([a])  # dropped from the engine's queue at once
         if self.scenario.clients.retry_on_timeout:
@@ -453,10 +496,11 @@ class Simulation:
                 res.queue_delay_s += replica_left - a.queued_at
             res.gpu_s += a.gpu_s
             if a.finished_at >= 0.0:
-                self.outputs.observe(a.output_tokens)
+                self.learning.lengths.observe(a.output_tokens,
+                                              cut=a.output_tokens >= a.charged_tokens)
                 res.completed += 1
                 self._window.completed += 1
-                self._release(a)
+                self._release(a, completed=True)
                 latency = a.finished_at - a.arrival
                 res.latencies_s.append(latency)
                 res.ttfts_s.append(a.first_token_at - a.arrival)
@@ -541,7 +585,6 @@ class Simulation:
                 surplus -= 1
                 if r.idle:
                     self._stop(r)
-            self._capacity = model_of(self.pool, len(self.ready))
         self.result.peak_replicas = max(self.result.peak_replicas,
                                         len(self.ready) + len(starting))
 
@@ -564,7 +607,7 @@ class Simulation:
                                         series.ready[-1] + series.starting[-1])
         self._sample = _Window()
         self._sample_latencies = []
-        self.outputs.decay(decay_factor(self.scenario.sample_s))
+        self.learning.lengths.decay(decay_factor(self.scenario.sample_s))
         self.ledger.expire()  # the sweeper: drops stale lease records (never a live entry)
         if progress is not None:
             progress(self.now, self.scenario.span_s)

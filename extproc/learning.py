@@ -1,0 +1,175 @@
+"""What each pool learns online, and the feedback that holds admitted work to its deadlines.
+
+Everything here is state fed by what the gateway sees (admissions, the end of each admitted
+request's stream, the engines' output-length histogram) and read by the admission step
+(``extproc.step``). No I/O and no clock reads: callers pass ``now``. The gateway and the
+simulator hold one ``PoolLearning`` per pool and feed it the same way.
+
+**The promise (closed-loop attainment control).** ``decide`` admits a request if its
+*promised* output length, the ``q``-quantile of the pool's output lengths, would still finish
+within its deadline. A fixed high ``q`` holds every request to a worst case, which is far
+stricter than the target, 99% of *admitted requests* within their deadline: it keeps batches
+small and turns away work the fleet could have done in time. So ``q`` is not a constant:
+``Promise`` holds it where the measured attainment meets the target, per pool and class. Each
+admitted request, when its stream ends, is a miss (it ended after its deadline) or a hit (it
+completed within it; a stream the client cancelled early says nothing). With ``x =
+log((1 - q) / q)``:
+
+    x  <-  x + gain x (expected - miss) / target_miss
+    expected = target_miss + (1 - target_miss) x unavoidable
+
+a stochastic-approximation (Robbins-Monro) quantile tracker: each miss makes the promise
+stricter by ``gain x (1 - expected) / target_miss``, each hit looser by ``gain x expected /
+target_miss``, so ``x`` stands still exactly when misses come at the ``expected`` rate. It is
+bounded, ``q`` in [0.5, 0.995], starts at the strict end (0.99), and one step is small
+(``gain`` 0.002: a hundred hits undo one miss's tightening), so a burst of misses tightens it
+at once while loosening takes sustained evidence: stable under bursts, with no oscillation
+faster than the traffic's own. ``unavoidable`` is the chance, from the learned lengths, that
+the request's answer is too long to finish within its deadline even alone on an idle replica:
+such misses are not load's doing, and no promise could prevent them, so they raise the
+expected miss rate instead of tightening the promise (a workload where one answer in five is
+unboundedly long would otherwise drive the promise to where nothing is admitted at all).
+Across gateway replicas each one holds its own promise from its own completions: each sees a
+fair sample of the traffic, so each converges to the same quantile, and each one's admitted
+requests meet the target, hence all of them together do.
+
+**Demand (class isolation).** ``Demand`` measures the interactive classes' arrival rate ``λ``
+(every request, admitted or not: the demand, not what was let in) and mean time in flight
+``T`` (from their streams' ends), both decayed over ``DEMAND_MEMORY_S``. By Little's law they
+keep ``λ T`` requests in flight; the batch classes may use only what is left beyond ``λ T +
+2 sqrt(λ T)`` (two standard deviations of a Poisson count) slots: a reserve that follows the
+interactive load instead of a fixed split.
+
+**The mix.** The mean prompt of admitted requests (decayed) and the mean output: the context
+a decode reads and the prefill that joins a busy batch (``extproc.admission.Mix``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from extproc.admission import Mix
+from extproc.config import Pool
+from extproc.lengths import Lengths, Prior
+
+TARGET_ATTAINMENT = 0.99
+Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99
+GAIN = 0.002
+DEMAND_MEMORY_S = 60.0
+MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
+
+
+def _logit_tail(q: float) -> float:
+    return math.log((1.0 - q) / q)
+
+
+@dataclass
+class Promise:
+    """The promise quantile of one pool and class, held by feedback (module docstring)."""
+
+    target: float = TARGET_ATTAINMENT
+    gain: float = GAIN
+    x: float = field(default=_logit_tail(Q_START))
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def quantile(self) -> float:
+        return 1.0 / (1.0 + math.exp(self.x))
+
+    def settled(self, missed: bool, unavoidable: float = 0.0) -> None:
+        """One admitted request ended: ``missed`` its deadline or not. ``unavoidable``: the
+        chance it would have missed even alone on an idle replica."""
+        miss = 1.0 - self.target
+        expected = miss + (1.0 - miss) * min(1.0, max(0.0, unavoidable))
+        self.x += self.gain * ((expected - (1.0 if missed else 0.0)) / miss)
+        self.x = min(_logit_tail(Q_LOW), max(_logit_tail(Q_HIGH), self.x))
+        if missed:
+            self.misses += 1
+        else:
+            self.hits += 1
+
+
+@dataclass
+class Demand:
+    """Interactive demand: arrivals per second and mean seconds in flight, decayed."""
+
+    memory_s: float = DEMAND_MEMORY_S
+    _arrivals: float = 0.0
+    _at: float | None = None
+    _duration_s: float = 0.0
+    _durations: float = 0.0
+
+    def _decay(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            f = math.exp(-(now - self._at) / self.memory_s)
+            self._arrivals *= f
+            self._durations *= f
+            self._duration_s *= f
+        self._at = now if self._at is None else max(self._at, now)
+
+    def arrived(self, now: float) -> None:
+        self._decay(now)
+        self._arrivals += 1.0
+
+    def served(self, seconds: float, now: float) -> None:
+        self._decay(now)
+        self._durations += 1.0
+        self._duration_s += seconds
+
+    def reserve(self, now: float) -> float:
+        """Slots the interactive classes need: ``λ T + 2 sqrt(λ T)``."""
+        self._decay(now)
+        if not self._durations:
+            return 0.0
+        load = self._arrivals / self.memory_s * self._duration_s / self._durations
+        return load + 2.0 * math.sqrt(load)
+
+
+class PoolLearning:
+    """One pool's learned state: output lengths, promises per class, demand, the mix."""
+
+    def __init__(self, prior: Prior | None = None) -> None:
+        self.lengths = Lengths(prior)
+        self.promises: dict[str, Promise] = {}
+        self.demand = Demand()
+        self._prompt = self.lengths.prior.mean * 4.0  # until the first admission
+        self._prompts = 0
+
+    def promise(self, service_class: str) -> Promise:
+        promise = self.promises.get(service_class)
+        if promise is None:
+            promise = self.promises[service_class] = Promise()
+        return promise
+
+    def mix(self) -> Mix:
+        return Mix(prompt_tokens=self._prompt, output_tokens=max(1.0, self.lengths.mean()))
+
+    def arrived(self, batch: bool, now: float) -> None:
+        """A request of an interactive (not ``batch``) class asked: it is demand."""
+        if not batch:
+            self.demand.arrived(now)
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self._prompts += 1
+        w = max(MIX_WEIGHT, 1.0 / self._prompts)
+        self._prompt += w * (prompt_tokens - self._prompt)
+
+    def settled(self, service_class: str, *, batch: bool, seconds: float, deadline_s: float,
+                completed: bool, unavoidable: float, now: float) -> None:
+        """An admitted request's stream ended after ``seconds``: ``completed`` normally, or
+        cancelled. Past its deadline it is a miss; a completion within it a hit; a stream
+        cancelled in time says nothing about the promise."""
+        missed = seconds > deadline_s
+        if missed or completed:
+            self.promise(service_class).settled(missed, unavoidable)
+        if not batch:
+            self.demand.served(seconds, now)
+
+
+def learning_for(pool: Pool) -> PoolLearning:
+    """A fresh pool's state: its configured prior (``expected_output_tokens``: the mean,
+    ``long_output_tokens``: the 99th percentile; each defaults to ``Prior``'s)."""
+    return PoolLearning(Prior(pool.expected_output_tokens or Prior.mean,
+                              pool.long_output_tokens or Prior.p99))

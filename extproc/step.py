@@ -1,0 +1,171 @@
+"""The admission step: from what a request asks to a verdict, the same in gateway and simulator.
+
+``admit`` is everything between a parsed, counted request and its verdict that is policy and
+not I/O: the class policy and the client's deadline header, the model's context length, the
+request's cost from the pool's learned output lengths and its promise, the capacity the
+decision sees (the engine, the learned mix, the interactive reserve for batch classes), the
+engines' correction, ``decide`` itself, what becomes of an infeasible request, the Retry-After
+hint, the lease and the ledger's ceiling. The gateway (``extproc.gate``) adds the I/O around it
+(counting tokens, the ledger's snapshot and atomic reserve, metrics, logs, traces); the
+simulator (``extproc.sim.run``) calls it with its own ledger and clock. A parity test drives
+both with the same requests (``tests/test_step_parity.py``).
+
+What becomes of a request, beyond ``decide``:
+
+- **longer than the model's context** (``prompt + max_tokens`` past ``max_model_len``, or the
+  prompt alone when ``max_tokens`` is not sent): 400 ``context_length_exceeded``, as vLLM
+  answers it, but at once instead of after a wait in the engine's queue;
+- **infeasible** (its typical length would miss its deadline even on an idle replica):
+  - if the client's deadline header made it so: 400 ``deadline_infeasible`` (a client-tightened
+    deadline can get a request refused, never let it through unmanaged);
+  - with ``infeasible: reject``: 400 ``deadline_infeasible``;
+  - with ``infeasible: pass`` (the default): it runs if a slot is free now (recorded in the
+    ledger like any request), and otherwise gets a 429: it never waits in a queue in front of
+    admitted work, and never takes a batch class's place beyond the interactive reserve.
+- every request that runs is recorded, with a lease of its predicted completion plus
+  ``ledger.lease_grace_ms``, and reserved against the decision's ceiling less the engines'
+  correction (work the ledger does not know about must not widen the room other gateways get).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot, decide
+from extproc.config import Config, Infeasible, Pool
+from extproc.enginestats import Correction
+from extproc.errors import BadRequest, RequestError
+from extproc.learning import PoolLearning
+
+NO_CORRECTION = Correction()
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What the step needs to know of one request."""
+
+    service_class: str
+    prompt_tokens: int
+    max_tokens: int | None  # as sent; None: the pool's default is charged
+    choices: int = 1
+    deadline_ms: float | None = None  # the client's deadline header, if any (validated)
+    prefill_only: bool = False  # embeddings: no output
+    # The simulator's oracle knows each answer's length and is promised exactly that; the
+    # gateway never does (None).
+    known_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    outcome: Outcome
+    reason: Reason
+    service_class: str
+    policy: Policy
+    cost: Cost
+    decision: Decision | None = None
+    error: RequestError | None = None
+    lease_ms: float = 0.0  # when the request runs: its ledger entry's lease
+    ceiling_ms: float | None = None  # ... and the reserve's atomic check (None: no check)
+    unavoidable: float = 0.0  # chance it misses even alone (the promise's feedback)
+
+    @property
+    def runs(self) -> bool:
+        """It goes to the engines (admitted, or passed as infeasible into a free slot)."""
+        return self.outcome in (Outcome.ADMIT, Outcome.PASS)
+
+    @property
+    def retry_after_ms(self) -> float | None:
+        return self.decision.retry_after_ms if self.decision is not None else None
+
+
+def class_policy(config: Config, service_class: str, deadline_ms: float | None) -> Policy:
+    """The class's budget, its deadline tightened (never loosened) by the client's header."""
+    cls = config.classes[service_class]
+    deadline = cls.deadline_ms if deadline_ms is None else min(cls.deadline_ms, deadline_ms)
+    return Policy(deadline_ms=deadline, safety_factor=cls.safety_factor, ttft_ms=cls.ttft_ms,
+                  batch=cls.batch)
+
+
+def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
+    """The charge rule ``(max_tokens or the pool default) x choices``, with the typical length
+    and the promised one from the pool's learned lengths and the class's promise."""
+    if ask.prefill_only:
+        return Cost(ask.prompt_tokens, 0, 0.0, 0.0)
+    charged = (ask.max_tokens or pool.default_max_tokens) * max(1, ask.choices)
+    lengths = learning.lengths
+    promised = (lengths.quantile(learning.promise(ask.service_class).quantile)
+                if ask.known_output_tokens is None else ask.known_output_tokens)
+    return Cost(ask.prompt_tokens, charged, lengths.mean(charged), promised)
+
+
+def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
+                 reserved: float = 0.0) -> Capacity:
+    """What ``decide`` sees of the pool: its replicas, their engine, the learned mix."""
+    return Capacity(replicas=replicas, engine=pool.engine, mix=learning.mix(),
+                    wait_quantile=pool.wait_quantile, reserved=reserved)
+
+
+def charge_of(ask: Ask, pool: Pool, learning: PoolLearning, replicas: int) -> float:
+    """The ledger charge of ``ask`` (its GPU share in a full batch)."""
+    return capacity_for(pool, replicas, learning).charge_ms(cost_of(ask, pool, learning))
+
+
+def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot: Snapshot,
+          replicas: int, now: float, correction: Correction = NO_CORRECTION) -> Admission:
+    """Decide one request (module docstring)."""
+    policy = class_policy(config, ask.service_class, ask.deadline_ms)
+    cost = cost_of(ask, pool, learning)
+    limit = pool.engine.max_model_len
+    asked = ask.prompt_tokens + (ask.max_tokens or 0) * max(1, ask.choices)
+    if asked > limit or ask.prompt_tokens >= limit:
+        too_long = BadRequest(
+            f"This model's maximum context length is {limit} tokens; the request asks for"
+            f" {asked} ({ask.prompt_tokens} in the prompt). Shorten the prompt or lower"
+            " max_tokens.", code="context_length_exceeded")
+        return Admission(Outcome.INVALID, Reason.CONTEXT_LENGTH, ask.service_class, policy, cost,
+                         error=too_long)
+
+    capacity = capacity_for(pool, replicas, learning,
+                            learning.demand.reserve(now) if policy.batch else 0.0)
+    decision = decide(cost, correction.apply(snapshot), capacity, policy, now)
+    outcome, reason = decision.outcome, decision.reason
+    error: RequestError | None = None
+    if reason is Reason.INFEASIBLE:
+        tightened = policy.deadline_ms < config.classes[ask.service_class].deadline_ms
+        if tightened or config.infeasible is Infeasible.REJECT:
+            error = BadRequest(
+                "request cannot finish within its deadline even on an idle fleet; lower"
+                " max_tokens or raise the deadline", code="deadline_infeasible")
+            outcome = Outcome.INVALID
+        elif decision.position + capacity.reserved > 0:
+            # Passing it would queue it in front of admitted work: only a free slot will do.
+            slot_ms = (snapshot.outstanding_ms / snapshot.inflight if snapshot.inflight
+                       else decision.service_ms) / max(capacity.batch, 1)
+            decision = dataclasses.replace(decision, outcome=Outcome.REJECT,
+                                           retry_after_ms=max(slot_ms, 1.0))
+            outcome = Outcome.REJECT
+    runs = outcome in (Outcome.ADMIT, Outcome.PASS)
+    ceiling = decision.ceiling_ms
+    if ceiling is not None:
+        ceiling -= correction.extra_ms
+    return Admission(
+        outcome, reason, ask.service_class, policy, cost, decision, error,
+        lease_ms=decision.completion_ms + config.ledger.lease_grace_ms if runs else 0.0,
+        ceiling_ms=ceiling if outcome is Outcome.ADMIT else None,
+        unavoidable=unavoidable(cost, capacity, policy, learning) if runs else 0.0)
+
+
+def unavoidable(cost: Cost, capacity: Capacity, policy: Policy,
+                learning: PoolLearning) -> float:
+    """The chance the request's answer is too long for its budget even alone on an idle
+    replica (``extproc.learning``: such misses do not tighten the promise)."""
+    if cost.output_tokens <= 0:
+        return 0.0
+    e = capacity.engine
+    room_ms = policy.budget_ms - capacity.prefill_ms(cost.prompt_tokens, 0.0)
+    longest = room_ms / e.itl_ms(1, cost.prompt_tokens)
+    if longest >= cost.output_tokens:
+        return 0.0
+    return learning.lengths.survival(max(0.0, longest)) if math.isfinite(longest) else 0.0

@@ -1,0 +1,106 @@
+"""The admission step (extproc.step): what becomes of a request beyond ``decide``."""
+
+from typing import Any
+
+import pytest
+
+from extproc import config as config_mod
+from extproc.admission import Outcome, Reason, Snapshot
+from extproc.enginestats import Correction
+from extproc.learning import learning_for
+from extproc.step import Ask, admit
+
+ENGINE = {"max_num_seqs": 4, "max_model_len": 8192, "num_gpu_blocks": 0}
+IDLE = Snapshot(0, 0.0)
+
+
+def settings(**top: Any) -> config_mod.Config:
+    return config_mod.from_mapping({
+        "pools": [{"name": "llm", "replicas": 2, "engine": ENGINE,
+                   "expected_output_tokens": 100, "long_output_tokens": 300}],
+        "classes": {"latency": {"deadline_ms": 10_000, "ttft_ms": 500},
+                    "throughput": {"deadline_ms": 600_000, "batch": True}}, **top})
+
+
+CONFIG = settings()
+POOL = CONFIG.pools[0]
+
+
+NONE = Correction()
+
+
+def step(ask: Ask, snapshot: Snapshot = IDLE, config: config_mod.Config = CONFIG,
+         correction: Correction = NONE, replicas: int = 2) -> Any:
+    return admit(ask, POOL, config, learning_for(POOL), snapshot, replicas, 0.0, correction)
+
+
+def test_an_ordinary_request_on_an_idle_fleet_is_admitted_with_a_lease_and_a_ceiling() -> None:
+    adm = step(Ask("latency", 500, 200))
+    assert (adm.outcome, adm.reason) == (Outcome.ADMIT, Reason.FITS) and adm.runs
+    assert adm.lease_ms == pytest.approx(adm.decision.completion_ms + 30_000)
+    assert adm.ceiling_ms == pytest.approx(adm.decision.ceiling_ms)
+    assert adm.cost.typical == pytest.approx(100, rel=0.1)  # the prior's mean
+    assert adm.cost.promised == pytest.approx(200)  # its quantile, capped by max_tokens
+
+
+def test_longer_than_the_model_is_refused_at_once_as_the_engine_would() -> None:
+    adm = step(Ask("latency", 8000, 500))
+    assert (adm.outcome, adm.reason) == (Outcome.INVALID, Reason.CONTEXT_LENGTH)
+    assert adm.error is not None and adm.error.status == 400
+    assert adm.error.code == "context_length_exceeded"
+    assert step(Ask("latency", 8192, None)).reason is Reason.CONTEXT_LENGTH
+    assert step(Ask("latency", 8000, None)).reason is not Reason.CONTEXT_LENGTH  # none sent
+
+
+def test_a_client_tightened_deadline_can_refuse_a_request_never_pass_it() -> None:
+    adm = step(Ask("latency", 500, 200, deadline_ms=1.0))
+    assert (adm.outcome, adm.reason) == (Outcome.INVALID, Reason.INFEASIBLE)
+    assert adm.error is not None and adm.error.code == "deadline_infeasible"
+    assert not adm.runs
+
+
+def test_an_infeasible_request_passes_only_into_a_free_slot() -> None:
+    huge = Ask("latency", 6000, 2000)  # 6,000 tokens of prefill: past the 400 ms TTFT budget
+    free = step(huge, Snapshot(3, 3_000))
+    assert (free.outcome, free.reason) == (Outcome.PASS, Reason.INFEASIBLE) and free.runs
+    assert free.ceiling_ms is None  # it runs whatever the ledger holds: no check
+    busy = step(huge, Snapshot(8, 8_000))  # 8 slots taken: it would queue in front of others
+    assert (busy.outcome, busy.reason) == (Outcome.REJECT, Reason.INFEASIBLE)
+    assert busy.retry_after_ms is not None and busy.retry_after_ms > 0
+
+
+def test_infeasible_reject_refuses_with_a_400() -> None:
+    adm = step(Ask("latency", 6000, 2000), config=settings(infeasible="reject"))
+    assert adm.outcome is Outcome.INVALID and adm.error is not None
+    assert adm.error.code == "deadline_infeasible"
+
+
+def test_the_engines_correction_tightens_the_decision_and_lowers_the_ceiling() -> None:
+    plain = step(Ask("latency", 500, 200), Snapshot(2, 2_000))
+    fixed = step(Ask("latency", 500, 200), Snapshot(2, 2_000), correction=Correction(5, 5_000))
+    assert plain.outcome is Outcome.ADMIT
+    assert fixed.decision.position > plain.decision.position
+    if fixed.outcome is Outcome.ADMIT:
+        assert fixed.ceiling_ms == pytest.approx(fixed.decision.ceiling_ms - 5_000)
+
+
+def test_batch_requests_leave_the_interactive_reserve_alone() -> None:
+    learning = learning_for(POOL)
+    for t in range(0, 600, 2):  # interactive demand: one every 2 s, 4 s each: 2 in flight
+        learning.arrived(False, float(t))
+        learning.settled("latency", batch=False, seconds=4.0, deadline_s=10.0,
+                         completed=True, unavoidable=0.0, now=float(t))
+    reserve = learning.demand.reserve(600.0)
+    assert reserve == pytest.approx(2 + 2 * 2 ** 0.5, rel=0.15)  # of 8 slots
+    batch = Ask("throughput", 500, 200)
+    assert admit(batch, POOL, CONFIG, learning, IDLE, 2, 600.0).outcome is Outcome.ADMIT
+    busy = admit(batch, POOL, CONFIG, learning, Snapshot(3, 3_000), 2, 600.0)
+    assert (busy.outcome, busy.reason) == (Outcome.REJECT, Reason.NO_CAPACITY)
+    assert admit(Ask("latency", 500, 200), POOL, CONFIG, learning, Snapshot(3, 3_000), 2,
+                 600.0).outcome is Outcome.ADMIT
+
+
+def test_a_request_that_may_run_long_is_marked_for_the_promise() -> None:
+    adm = step(Ask("latency", 100, 4000))  # could produce far more than fits 8 s alone
+    assert adm.runs and 0 < adm.unavoidable < 0.2
+    assert step(Ask("latency", 100, 50)).unavoidable == 0.0  # 50 tokens always fit
