@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.admission import Outcome, Policy
+from extproc.admission import Outcome, Policy, Snapshot
 from extproc.config import Config, Pool
 from extproc.engine import EngineModel
 from extproc.learning import PoolLearning
@@ -38,7 +38,7 @@ from extproc.sim.autoscaler import Fixed, Observation, Recommender
 from extproc.sim.clients import Attempt, ClientModel
 from extproc.sim.engine import INF, Replica
 from extproc.sim.policies import AdmissionPolicy, EngineView
-from extproc.step import Ask, admit, capacity_for, class_policy, cost_of
+from extproc.step import Admission, Ask, admit, capacity_for, class_policy, cost_of
 from extproc.workload import Job
 
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL = range(5)
@@ -188,9 +188,12 @@ def _quantile(values: list[float], q: float) -> float:
 class Simulation:
     """One run of one policy on one scenario; ``run()`` once."""
 
-    def __init__(self, scenario: Scenario, policy: AdmissionPolicy) -> None:
+    def __init__(self, scenario: Scenario, policy: AdmissionPolicy,
+                 on_decision: Callable[[Job, Snapshot, Admission], None] | None = None
+                 ) -> None:
         self.scenario = scenario
         self.policy = policy
+        self.on_decision = on_decision  # sees each step decision and the snapshot it read
         self.pool = scenario.pool
         self.config = scenario.config
         self.now = 0.0
@@ -367,6 +370,8 @@ class Simulation:
         snapshot = self.ledger.snapshot(pool.name)
         if self.policy.uses_step:
             adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now)
+            if self.on_decision is not None:
+                self.on_decision(job, snapshot, adm)
             outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
             policy = adm.policy
             service = adm.decision.service_ms if adm.decision is not None else 0.0

@@ -1,0 +1,108 @@
+"""The gateway and the simulator take the same decisions: the same requests, clock and capacity
+through ``Gate`` (in-process ledger) and through the simulator's gateway give identical
+verdicts, Retry-After hints and ledger states (extproc.step is the one place they come from)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from extproc import config as config_mod
+from extproc.admission import Outcome, Reason, Snapshot
+from extproc.capacity import StaticCapacity
+from extproc.gate import Gate
+from extproc.ledger.memory import MemoryLedger
+from extproc.metrics import Metrics
+from extproc.sim.clients import ClientModel
+from extproc.sim.policies import make
+from extproc.sim.run import Scenario, Simulation
+from extproc.step import Admission
+from extproc.workload import Job
+
+SETTINGS: dict[str, Any] = {
+    "pools": [{"name": "llm", "replicas": 2, "bytes_per_token": 4.0,
+               "engine": {"max_num_seqs": 3, "num_gpu_blocks": 2000, "block_size": 16,
+                          "max_model_len": 32768}}],
+    "classes": {"latency": {"deadline_ms": 8_000, "ttft_ms": 1_500},
+                "throughput": {"deadline_ms": 120_000, "batch": True}},
+    "routes": [{"path": "/v1/completions", "api": "openai_completions", "class": "latency"},
+               {"path": "/batch/completions", "api": "openai_completions",
+                "class": "throughput"}],
+}
+
+
+def jobs(seed: int, n: int = 40) -> list[Job]:
+    rng = random.Random(seed)
+    return [Job(arrival_s=0.005 * i, prompt_tokens=rng.choice((50, 400, 1500, 6000, 30000)),
+                output_tokens=100_000, max_tokens=rng.choice((None, 16, 256, 4096)),
+                service_class=rng.choice(("latency", "latency", "throughput")))
+            for i in range(n)]
+
+
+def through_the_simulator(config: config_mod.Config, work: list[Job]
+                          ) -> list[tuple[Snapshot, Admission]]:
+    seen: list[tuple[Snapshot, Admission]] = []
+    firsts: set[float] = set()
+
+    def record(job: Job, snapshot: Snapshot, adm: Admission) -> None:
+        if job.arrival_s not in firsts:  # retries come a second later: leave them out
+            firsts.add(job.arrival_s)
+            seen.append((snapshot, adm))
+
+    pool = config.pools[0]
+    scenario = Scenario(name="parity", jobs=work, config=config, engine=pool.engine,
+                        replicas=pool.replicas, clients=ClientModel(timeout_s=60.0))
+    Simulation(scenario, make("default"), on_decision=record).run()
+    return seen
+
+
+async def through_the_gate(config: config_mod.Config, work: list[Job]
+                           ) -> list[tuple[Snapshot, Any]]:
+    now = [0.0]
+    ledger = MemoryLedger(clock=lambda: now[0])
+    gate = Gate(config, ledger, StaticCapacity(config.pools), Metrics(), clock=lambda: now[0])
+    seen = []
+    for job in work:
+        now[0] = job.arrival_s
+        path = "/v1/completions" if job.service_class == "latency" else "/batch/completions"
+        route = config.route(path)
+        assert route is not None
+        body: dict[str, Any] = {"model": "m", "prompt": "x" * (4 * job.prompt_tokens)}
+        if job.max_tokens is not None:
+            body["max_tokens"] = job.max_tokens
+        snapshot = await ledger.snapshot("llm")
+        verdict = await gate.check(route, path, {}, json.dumps(body).encode())
+        seen.append((snapshot, verdict))
+    for _, verdict in seen:
+        if verdict.ticket is not None:
+            await gate.settle(verdict.ticket)
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("infeasible", ["pass", "reject"])
+async def test_gate_and_simulator_decide_alike(seed: int, infeasible: str) -> None:
+    config = config_mod.from_mapping({**SETTINGS, "infeasible": infeasible})
+    work = jobs(seed)
+    simulated = through_the_simulator(config, work)
+    gated = await through_the_gate(config, work)
+    assert len(simulated) == len(gated) == len(work)
+    outcomes = set()
+    for (sim_snap, adm), (gate_snap, verdict) in zip(simulated, gated, strict=True):
+        assert sim_snap == gate_snap  # the ledger each decision read
+        assert (verdict.outcome, verdict.reason) == (adm.outcome, adm.reason)
+        assert verdict.prompt_tokens == adm.cost.prompt_tokens
+        got = verdict.admission
+        assert got is not None
+        assert got.cost == adm.cost
+        assert got.decision == adm.decision  # every predicted time, the ceiling, the hint
+        assert got.retry_after_ms == adm.retry_after_ms
+        assert got.lease_ms == adm.lease_ms and got.unavoidable == adm.unavoidable
+        outcomes.add((adm.outcome, adm.reason))
+    # the sequences exercise admissions, overload and the refusals of the step
+    assert (Outcome.ADMIT, Reason.FITS) in outcomes
+    assert any(o is Outcome.REJECT for o, _ in outcomes)
+    assert any(o is Outcome.INVALID for o, _ in outcomes)
