@@ -63,6 +63,37 @@ def test_replay_refuses_contradictory_arguments() -> None:
         replay.run(scenario="bursty", scale=2.0, rate_x=2.0, progress=False)
 
 
+def test_replay_keeps_every_key_of_the_gateways_configuration(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    small_trace(trace, n=200)
+    mine = config.from_mapping({
+        "infeasible": "reject", "retry_after": {"min_s": 2, "max_s": 9, "jitter": 0.1},
+        "classes": {"latency": {"deadline_ms": 7_000, "ttft_ms": 900, "safety_factor": 0.7}},
+        "pools": [{"name": "gpu", "replicas": 3, "expected_output_tokens": 40,
+                   "engine": {"max_num_seqs": 8, "num_gpu_blocks": 999}}]})
+    sc = replay.from_file(str(trace), fmt=None, config=mine, replicas=None, scale=2.0,
+                          rate_x=None, max_tokens=None, timeout_s=30.0, seed=0)
+    assert sc.config.infeasible is config.Infeasible.REJECT
+    assert sc.config.retry_after == mine.retry_after
+    assert sc.config.classes["latency"] == mine.classes["latency"]
+    assert sc.config.pools == mine.pools and sc.engine == mine.pools[0].engine
+    assert sc.replicas == 3
+
+
+def test_replay_refuses_what_it_cannot_simulate(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    small_trace(trace, n=50)
+    two = config.from_mapping({"pools": [{"name": "a"}, {"name": "b"}]})
+    with pytest.raises(ConfigError, match="replay simulates one pool"):
+        replay.run(trace=str(trace), config=two, progress=False)
+    other_class = config.from_mapping({"classes": {"gold": {"deadline_ms": 1000}},
+                                       "routes": [{"path": "/v1/x", "class": "gold"}]})
+    jobs = tmp_path / "batch.jsonl"
+    workload.write_jsonl([workload.Job(0.0, 10, 10, service_class="bronze")], jobs)
+    with pytest.raises(ConfigError, match="class 'bronze' is not configured"):
+        replay.run(trace=str(jobs), config=other_class, progress=False)
+
+
 def gate_with_log(path: Path, mode: str) -> tuple[Gate, config.Config]:
     c = config.from_mapping({
         "mode": mode, "decision_log": str(path),

@@ -31,25 +31,32 @@ DEFAULT_POLICIES = ("none", "naive", "article", "default", "oracle")
 def from_file(path: str, *, fmt: str | None, config: config_mod.Config, replicas: int | None,
               scale: float | None, rate_x: float | None, max_tokens: int | None,
               timeout_s: float, seed: int) -> Scenario:
+    """The trace replayed against the configuration's pool: the gateway is that configuration,
+    every key of it (classes, ``infeasible``, ``retry_after``, the pool's engine, prior and
+    wait quantile, ...); keys that only concern the gateway's I/O (listeners, ledger
+    connection, tracing, tenants) do not change a decision. What the simulator cannot
+    honour is refused: more than one pool (it simulates one fleet)."""
+    if len(config.pools) > 1:
+        raise ConfigError([f"pools: replay simulates one pool; the configuration has"
+                           f" {len(config.pools)} ({', '.join(p.name for p in config.pools)})"
+                           " -- give a configuration with the pool to replay"])
     jobs = workload.load(path, fmt, max_tokens=max_tokens)
     if not jobs:
         raise ConfigError([f"{path}: no requests"])
     pool = config.pools[0]
     if replicas is not None:
         pool = dataclasses.replace(pool, replicas=replicas)
-        config = dataclasses.replace(config, pools=(pool, *config.pools[1:]))
     if pool.replicas < 1:
         raise ConfigError([f"pools[0].replicas: must be >= 1 to replay (got {pool.replicas})"])
-    engine = pool.engine
-    classes = {name: {"deadline_ms": c.deadline_ms, "ttft_ms": c.ttft_ms or 0,
-                      "safety_factor": c.safety_factor} for name, c in config.classes.items()}
+    unknown = sorted({j.service_class for j in jobs} - set(config.classes))
+    if unknown:
+        raise ConfigError([f"classes: the trace's class {c!r} is not configured"
+                           for c in unknown])
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(path).stem)
     sc = scenarios.replay(name, jobs, replicas=pool.replicas, load=scale, rate_x=rate_x,
-                          engine=engine, classes=classes,
-                          clients=ClientModel(timeout_s=timeout_s), seed=seed)
-    # the fleet runs the engine; the gateway keeps every knob of its configured pool
-    simulated = dataclasses.replace(pool, name=sc.pool.name)
-    return dataclasses.replace(sc, config=dataclasses.replace(sc.config, pools=(simulated,)))
+                          engine=pool.engine, clients=ClientModel(timeout_s=timeout_s),
+                          seed=seed, classes={c: {} for c in config.classes})
+    return dataclasses.replace(sc, config=dataclasses.replace(config, pools=(pool,)))
 
 
 def run(*, trace: str | None = None, fmt: str | None = None, scenario: str | None = None,
