@@ -8,15 +8,19 @@ renewed every third of its length, so a long generation is never reclaimed.
 
 The server adapter maps the ``Verdict`` to Envoy's answer; nothing here knows about Envoy.
 
-Counting tokens. Texts counted before cost a lookup (``TokenizerCounter``'s cache: a chat
-turn pays only for its new message). New text up to ``ESTIMATE_CHARS`` is counted on the event
-loop (about 2.5 ms at the limit). Longer new text (a long prompt never seen: 8,000 tokens take
-~20 ms to count) is priced by the pool's ``Calibration`` instead, and the decision is taken at
-once when it comes out the same at the estimate's low and high ends (``margin``) on the local
-view of the ledger; only a close decision waits for the exact count, on the gate's counting
-thread (``encode_batch_fast`` releases the GIL). An admission made on an estimate is counted
-exactly on that thread afterwards, and its ledger entry's charge is set to the exact cost
-(``adjust``), so the ledger ends exact; the calibration learns from every exact count. One
+Counting tokens. Texts counted before cost a lookup (``TokenizerCounter``'s cache: a chat turn
+pays only for its new message). New text up to ``ESTIMATE_CHARS`` is counted on the event loop
+(about 2.5 ms at the limit). Longer new text (a long prompt never seen: 8,000 tokens take ~20
+ms to count) is priced by the pool's ``Calibration`` instead, and the decision is taken at once
+when it comes out the same at the estimate's low and high ends (``margin``) on the local view
+of the ledger; only a close decision waits for the exact count, on the gate's counting thread
+(``encode_batch_fast`` releases the GIL), and for at most ``COUNT_WAIT_S``: a thread behind on
+a burst of long cold prompts would otherwise hold decisions past Envoy's message timeout (which
+forwards the request unchecked when fail-open). Past it the decision is taken on the estimate's
+high end, the conservative one, and counted
+(``extproc_decision_fallthroughs_total{kind="count_wait"}``). An admission made on an estimate
+is counted exactly on that thread afterwards, and its ledger entry's charge is set to the exact
+cost (``adjust``), so the ledger ends exact; the calibration learns from every exact count. One
 thread: on a small machine a pool of tokenizing threads starves the loop that answers Envoy.
 That thread counts ~45 prompts of 8,000 tokens a second; when long cold prompts come faster, at
 most ``MAX_PENDING_COUNTS`` corrections wait for it and the others keep their estimate (the
@@ -92,6 +96,7 @@ log = logging.getLogger(__name__)
 
 ESTIMATE_CHARS = 8 * 1024  # new prompt text longer than this is estimated (docstring)
 MAX_PENDING_COUNTS = 8  # exact counts queued for the counting thread; beyond, estimates stay
+COUNT_WAIT_S = 0.25  # the most a close decision waits for its exact count (docstring)
 RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking the room
 RECORD_RETRY_S = 1.0  # how soon a renewer retries when the ledger did not answer
 RENEWER_STOP_S = 1.0  # how long a release waits for a cancelled renewal to finish
@@ -126,6 +131,7 @@ class _Uncounted:
     texts: list[str] = field(repr=False)
     chars: int
     known: int  # tokens of the request's texts counted before
+    counting: asyncio.Future[int] | None = field(default=None, repr=False)  # already begun
 
 
 @dataclass
@@ -464,8 +470,16 @@ class Gate:
             self.metrics.prompt_counts.labels(pool.name, "estimated").inc()
             return estimated, _Uncounted(missing, chars, known)
         self.metrics.prompt_counts.labels(pool.name, "awaited").inc()
-        tokens = await asyncio.get_running_loop().run_in_executor(
+        counting = asyncio.get_running_loop().run_in_executor(
             self._counting, counter.count, missing)
+        try:
+            tokens = await asyncio.wait_for(asyncio.shield(counting), COUNT_WAIT_S)
+        except TimeoutError:
+            # The counting thread is behind (long cold prompts arriving faster than it counts):
+            # decide now on the estimate's high end, the conservative one; the count corrects
+            # the ledger when it comes, as for an estimated prompt.
+            self.metrics.fallthroughs.labels("count_wait").inc()
+            return high, _Uncounted(missing, chars, known, counting)
         calibration.learn(chars, tokens)
         return self._ask_for(request, pool, cls, deadline, known + tokens), None
 
@@ -491,8 +505,8 @@ class Gate:
         ledger entry the exact cost. One ledger call: if the ledger does not answer, the
         estimate stays on the entry (the renewer re-records a lost entry at the exact cost)."""
         try:
-            tokens = await asyncio.get_running_loop().run_in_executor(
-                self._counting, self._counters[pool.name].count, uncounted.texts)
+            tokens = await (uncounted.counting or asyncio.get_running_loop().run_in_executor(
+                self._counting, self._counters[pool.name].count, uncounted.texts))
         except RequestError:  # the text cannot be tokenized: the estimate stands
             return
         finally:

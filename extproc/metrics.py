@@ -53,6 +53,15 @@ class Metrics:
             "extproc_decision_duration_seconds",
             "Time from a complete request to a verdict (parse, tokenize, ledger, decide).",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.fallthroughs = Counter(
+            "extproc_decision_fallthroughs",
+            "Decisions that could not be taken as designed: count_wait (a close decision"
+            " decided on its estimate's high end: the exact count was too slow), too_late (the"
+            " stream ended before we answered: Envoy's message timeout, which forwards the"
+            " request unchecked when fail-open, or a client gone).", ["kind"],
+            registry=self.registry)
+        for kind in ("count_wait", "too_late"):
+            self.fallthroughs.labels(kind)
         self.prompt_counts = Counter(
             "extproc_prompt_token_counts",
             "How prompts were counted: counted (on the event loop), cached (every text seen"

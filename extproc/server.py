@@ -145,6 +145,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.streams_started += 1
         ticket: Ticket | None = None
         decided = False  # one decision per stream: a request phase repeated after it continues
+        deciding = False  # a body's decision is under way
         completed = False
         try:
             headers: Mapping[str, str] = {}
@@ -162,8 +163,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     self.backlog.add(waited)
                     self.gate.metrics.processor_wait.observe(waited)
                     trace = _trace_context(context) if self.gate.tracing.enabled else {}
+                    deciding = True
                     answer, verdict = await self._on_body(message.request_body, headers,
                                                           trace, tenant=tenant)
+                    deciding = False
                 else:
                     # a phase we did not ask for, or a request phase repeated after the
                     # decision: continue, so a misconfigured Envoy never hangs a request
@@ -177,6 +180,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             completed = True  # Envoy closed the stream cleanly: the request finished
         finally:
             self.open_streams -= 1
+            if deciding:  # Envoy (or the client) gave up before our answer
+                self.gate.metrics.fallthroughs.labels("too_late").inc()
             if ticket is not None:
                 await self.gate.settle(ticket, completed)
 

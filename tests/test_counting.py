@@ -4,6 +4,7 @@ prompts, and the exact correction of the ledger afterwards (``extproc.gate`` doc
 import asyncio
 import json
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from extproc import config
 from extproc.capacity import StaticCapacity
 from extproc.estimate import Calibration, TokenizerCounter, prompt_tokens
-from extproc.gate import ESTIMATE_CHARS, MAX_PENDING_COUNTS, Gate
+from extproc.gate import COUNT_WAIT_S, ESTIMATE_CHARS, MAX_PENDING_COUNTS, Gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
 from extproc.request import parse
@@ -152,6 +153,42 @@ async def test_a_close_decision_waits_for_the_exact_count(llama3_tokenizer: str)
     assert verdict.ticket is not None and verdict.ticket.correction is None
     assert verdict.prompt_tokens == tokens + cfg.pools[0].message_overhead_tokens
     await gate.settle(verdict.ticket)
+
+
+async def test_a_close_decision_waits_a_bounded_time_then_decides_on_the_high_end(
+        llama3_tokenizer: str) -> None:
+    # Same close call, but the counting thread is busy: the decision does not wait past
+    # COUNT_WAIT_S; it is taken on the estimate's high end (counted as a fall-through) and
+    # the exact count, when it comes, corrects the ledger.
+    text = prose(random.Random(4), 6500)
+    tokens = TokenizerCounter(llama3_tokenizer).count([text])
+    cfg = settings(tokenizer=llama3_tokenizer,
+                   engine={"ms_per_token": 1600.0 / tokens * 0.97, "step_base_ms": 0.0})
+    metrics = Metrics()
+    ledger = MemoryLedger()
+    gate = Gate(cfg, ledger, StaticCapacity(cfg.pools), metrics)
+    route = cfg.route("/v1/chat/completions")
+    assert route is not None
+    busy = threading.Event()
+    loop = asyncio.get_running_loop()
+    blocker = loop.run_in_executor(gate._counting, busy.wait, 5.0)
+    started = loop.time()
+    verdict = await gate.check(route, "/v1/chat/completions", {}, chat(text))
+    waited = loop.time() - started
+    assert COUNT_WAIT_S <= waited < COUNT_WAIT_S + 1.0
+    assert metrics.fallthroughs.labels("count_wait")._value.get() == 1
+    assert verdict.prompt_tokens > tokens  # the high end of the estimate
+    busy.set()
+    await blocker
+    if verdict.ticket is not None:  # admitted on the high end: the count corrects the charge
+        assert verdict.ticket.correction is not None
+        await verdict.ticket.correction
+        request = parse(route.api, chat(text))
+        exact = charge_of(Ask("latency", prompt_tokens(request, cfg.pools[0], tokens),
+                              request.max_tokens), cfg.pools[0], gate.learning["llama"], 1)
+        assert (await ledger.snapshot("llama")).outstanding_ms == pytest.approx(exact,
+                                                                                rel=1e-9)
+        await gate.settle(verdict.ticket)
 
 
 async def test_corrections_waiting_for_the_counting_thread_are_bounded(
