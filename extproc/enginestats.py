@@ -5,6 +5,8 @@ Names read (samples summed over their labels; vLLM labels by model and engine):
     waiting    vllm:num_requests_waiting   | tgi_queue_size
     running    vllm:num_requests_running   | tgi_batch_current_size
     kv usage   vllm:kv_cache_usage_perc (0..1; vllm:gpu_cache_usage_perc before vLLM 0.10)
+    kv cache   vllm:cache_config_info's labels num_gpu_blocks and block_size (vLLM's own
+               configuration, exported as an info gauge): the KV tokens a replica holds
 
 TGI has no KV-usage gauge; a page with none of these names is a failed scrape, not zeros.
 vLLM's ``vllm:request_generation_tokens`` histogram (output tokens of each finished request)
@@ -42,6 +44,7 @@ wire) never loosen admission.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -60,6 +63,7 @@ WAITING = ("vllm:num_requests_waiting", "tgi_queue_size")
 RUNNING = ("vllm:num_requests_running", "tgi_batch_current_size")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 GENERATION_TOKENS = "vllm:request_generation_tokens_bucket"
+CACHE_INFO = "vllm:cache_config_info"
 
 Cumulative = tuple[tuple[float, float], ...]  # (le, outputs <= le), by le ascending
 Bucket = tuple[float, float, float]  # (low, high, outputs in (low, high])
@@ -73,6 +77,7 @@ class EngineSample:
     running: int
     kv_usage: float | None = None  # 0..1, when the engine reports it
     generation_tokens: Cumulative | None = None  # vLLM's output-length histogram; TGI: None
+    kv_blocks: tuple[int, int] | None = None  # (num_gpu_blocks, block_size), vLLM's info gauge
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class PoolStats:
     targets: int  # replicas asked
     fresh: int  # replicas with a sample younger than max_age_s
     stale: bool  # too few fresh samples to trust the sums
+    kv_blocks: tuple[int, int] | None = None  # the smallest replica's (blocks, block size)
 
     @property
     def total(self) -> int:
@@ -97,9 +103,14 @@ def parse(text: str) -> EngineSample:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     buckets: dict[float, float] = {}
+    blocks: list[tuple[int, int]] = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == GENERATION_TOKENS and "le" in sample.labels:
+            if sample.name == CACHE_INFO:
+                with contextlib.suppress(KeyError, ValueError):
+                    blocks.append((int(sample.labels["num_gpu_blocks"]),
+                                   int(sample.labels["block_size"])))
+            elif sample.name == GENERATION_TOKENS and "le" in sample.labels:
                 le = float(sample.labels["le"])
                 buckets[le] = buckets.get(le, 0.0) + sample.value
             elif sample.name in (*WAITING, *RUNNING, *KV_USAGE):
@@ -115,7 +126,8 @@ def parse(text: str) -> EngineSample:
     kv_name = next((n for n in KV_USAGE if n in sums), None)
     kv = sums[kv_name] / counts[kv_name] if kv_name else None  # mean over a replica's engines
     return EngineSample(round(waiting or 0), round(running or 0), kv,
-                        tuple(sorted(buckets.items())) if buckets else None)
+                        tuple(sorted(buckets.items())) if buckets else None,
+                        min(blocks, key=lambda b: b[0] * b[1]) if blocks else None)
 
 
 def histogram_increase(old: Cumulative | None, new: Cumulative) -> tuple[Bucket, ...]:
@@ -144,12 +156,14 @@ def aggregate(samples: Iterable[tuple[float, EngineSample]], targets: int, now: 
     """Sum the samples younger than ``max_age_s``; stale below ``min_coverage`` of targets."""
     fresh = [s for at, s in samples if now - at <= max_age_s]
     kvs = [s.kv_usage for s in fresh if s.kv_usage is not None]
+    blocks = [s.kv_blocks for s in fresh if s.kv_blocks is not None]
     stale = not fresh or len(fresh) < min_coverage * targets
     return PoolStats(
         waiting=sum(s.waiting for s in fresh), running=sum(s.running for s in fresh),
         kv_usage_max=max(kvs) if kvs else None,
         kv_usage_mean=sum(kvs) / len(kvs) if kvs else None,
-        targets=targets, fresh=len(fresh), stale=stale)
+        targets=targets, fresh=len(fresh), stale=stale,
+        kv_blocks=min(blocks, key=lambda b: b[0] * b[1]) if blocks else None)
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,7 @@ class Gate:
         self._calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
         self.learning: dict[str, PoolLearning] = {p.name: learning_for(p) for p in config.pools}
         self._decay: dict[str, float] = {}  # pool -> its lengths' decay per scrape round
+        self._reported: dict[tuple[str, int, int], Pool] = {}  # pools with engines' KV sizes
         for pool in config.pools:
             settings, stats = pool.engine_metrics, self.engines.get(pool.name)
             if settings is not None and settings.learn_output_lengths and stats is not None:
@@ -225,6 +226,22 @@ class Gate:
         lengths.decay(factor)
         for low, high, count in finished:
             lengths.observe_bucket(low, high, count)
+
+    def _as_reported(self, pool: Pool, engines: PoolStats | None) -> Pool:
+        """The pool with the KV cache its engines report (``vllm:cache_config_info``, the
+        smallest fresh replica's) instead of the configured one: vLLM sizes its cache at
+        start from the memory left, so what it says beats what was written down."""
+        if engines is None or engines.stale or engines.kv_blocks is None:
+            return pool
+        blocks, size = engines.kv_blocks
+        if (blocks, size) == (pool.engine.num_gpu_blocks, pool.engine.block_size):
+            return pool
+        key = (pool.name, blocks, size)
+        seen = self._reported.get(key)
+        if seen is None:
+            engine = dataclasses.replace(pool.engine, num_gpu_blocks=blocks, block_size=size)
+            seen = self._reported[key] = dataclasses.replace(pool, engine=engine)
+        return seen
 
     def deadline(self, headers: Mapping[str, str]) -> float | None:
         """The client's deadline header in ms (it can only tighten the class deadline)."""
@@ -278,6 +295,7 @@ class Gate:
         replicas = self.capacity.capacity(pool.name).replicas
         stats = self.engines.get(pool.name)
         engines = stats.latest(pool.name) if stats is not None else None  # once per decision
+        pool = self._as_reported(pool, engines)
         self.learning[pool.name].arrived(self.config.classes[cls].batch, self._clock())
         try:
             ask, uncounted = await self._ask(request, pool, cls, deadline, replicas, engines)

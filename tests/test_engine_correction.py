@@ -326,3 +326,40 @@ async def test_targets_from_capacity_scrape_the_hosts_envoy_routes_to(tmp_path: 
             assert await metric(url, "extproc_engine_metrics_stale", pool="llama") == 0
             assert svc.capacity.replicas("llama").addresses == (
                 f"127.0.0.1:{stack.backend_ports[0]}",)
+
+
+async def test_the_kv_cache_the_engines_report_bounds_the_batch(tmp_path: Path) -> None:
+    # The configuration says the default engine (12,800 blocks: all 64 sequences fit); the
+    # engine says 200 blocks (3,200 tokens: about 12 sequences of the pool's mix, short
+    # prompts and the prior's 256-token answers). Once scraped, admission counts on that.
+    port = free_port()
+    proc = Process("small-kv", [sys.executable, "-m", "extproc", "fake-backend", "--port",
+                                str(port), "--max-num-seqs", "64", "--num-gpu-blocks", "200"],
+                   tmp_path)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc.popen)
+        pool = {"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 64},
+                "engine_metrics": {"targets": [f"127.0.0.1:{port}"], **FAST}}
+        cfg = config.from_mapping({"pools": [pool], "classes": {
+            "latency": {"deadline_ms": 600_000}}})
+        stats = EngineStats({"llama": [f"127.0.0.1:{port}"]}, timeout_s=0.5)
+        gate = Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), Metrics(),
+                    engines={"llama": stats})
+        route = cfg.route("/v1/chat/completions")
+        assert route is not None
+        first = [await gate.check(route, route.path, {}, json.dumps(chat(100)).encode())
+                 for _ in range(3)]
+        assert [v.decision.position for v in first if v.decision] == [-63, -62, -61]
+        await stats.scrape("llama")
+        assert stats.latest("llama").kv_blocks == (200, 16)
+        third = await gate.check(route, route.path, {}, json.dumps(chat(100)).encode())
+        mix = gate.learning["llama"].mix()
+        fits = int(3200 / (mix.prompt_tokens + mix.output_tokens))
+        assert 8 <= fits <= 16
+        assert third.decision is not None and third.decision.position == 3 + 1 - fits
+        for v in (*first, third):
+            if v.ticket is not None:
+                await gate.settle(v.ticket)
+        await stats.close()
+    finally:
+        proc.stop()

@@ -53,6 +53,18 @@ def test_parse_vllm_sums_engines_and_averages_kv() -> None:
     assert parse(VLLM_PAGE) == EngineSample(waiting=8, running=30, kv_usage=pytest.approx(0.85))
 
 
+def test_parse_reads_the_kv_cache_size_vllm_reports() -> None:
+    page = VLLM_PAGE + (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+        'gpu_memory_utilization="0.9",num_gpu_blocks="12345",enable_prefix_caching="True"} 1.0\n')
+    assert parse(page).kv_blocks == (12345, 16)
+    assert parse(VLLM_PAGE).kv_blocks is None
+    fresh = [(0.0, EngineSample(0, 0, kv_blocks=(900, 16))),
+             (0.0, EngineSample(0, 0, kv_blocks=(1000, 16)))]
+    assert aggregate(fresh, 2, 0.0, max_age_s=5.0, min_coverage=0.5).kv_blocks == (900, 16)
+
+
 def test_parse_tgi_and_older_vllm() -> None:
     assert parse(TGI_PAGE) == EngineSample(waiting=7, running=32, kv_usage=None)
     old = ("vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n"
@@ -168,6 +180,8 @@ async def test_scrapes_real_replicas_and_flags_stale(backends: list[tuple[str, P
             for call in calls:
                 call.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
+
+    assert idle.kv_blocks == (625, 16)  # --kv-cache-tokens 10000, in vLLM's own words
 
     strict = EngineStats({"llama": [addr0, addr1, f"127.0.0.1:{free_port()}"]},
                          timeout_s=0.3, min_coverage=0.5)
