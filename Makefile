@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-packages demo test check lint typecheck bench bench-memory clean
+.PHONY: setup system-packages demo test check lint typecheck bench bench-memory eval clean
 
 setup: $(STAMP) system-packages
 
@@ -64,6 +64,12 @@ bench: setup
 # Resident memory across a million decisions (~15-30 min on 2 cores; benchmarks/memory.py).
 bench-memory: setup
 	$(PY) benchmarks/memory.py
+
+# The evaluation matrix (~13 min on 2 cores; extproc/sim/evaluate.py says what it runs), then
+# the autoscaling section, into out/eval/. Arguments through EVAL_ARGS, e.g. EVAL_ARGS=--reduced.
+eval: setup
+	$(VENV)/bin/extproc eval --out out/eval $(EVAL_ARGS)
+	$(VENV)/bin/extproc eval --autoscale --out out/eval
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache

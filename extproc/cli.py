@@ -1,4 +1,4 @@
-"""The ``extproc`` command: serve, demo, fake-backend, envoy-config, replay."""
+"""The ``extproc`` command: serve, demo, fake-backend, envoy-config, replay, eval."""
 
 from __future__ import annotations
 
@@ -104,6 +104,23 @@ def _replay(args: argparse.Namespace) -> int:
         fleet_scale=args.fleet_scale, progress=not args.quiet)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from extproc.sim import evaluate
+
+    def names(text: str | None) -> list[str] | None:
+        return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+    try:
+        loads = [float(x) for x in names(args.loads) or []] or None
+        return evaluate.main(
+            reduced=args.reduced, scale=args.autoscale, workers=args.jobs, seeds=args.seeds,
+            out=args.out, family_names=names(args.families), fleets=names(args.fleets),
+            loads=loads, policies=names(args.policies) or evaluate.POLICIES,
+            progress=not args.quiet)
+    except ValueError as exc:
+        raise ConfigError([f"eval: {exc}"]) from exc
+
+
 def _error_status(value: str) -> int:
     from extproc import envoyconf
 
@@ -199,6 +216,23 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="folder for the JSON summary and the PNG plot")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=_replay)
+
+    v = sub.add_parser("eval", help="the evaluation matrix: workload families x loads x seeds"
+                       " x fleets, the default against its baselines (extproc.sim.evaluate)")
+    v.add_argument("--reduced", action="store_true",
+                   help="every family once (one load, seed and fleet, shorter runs)")
+    v.add_argument("--autoscale", action="store_true",
+                   help="the autoscaling section instead: recommender vs hpa vs keda")
+    v.add_argument("--jobs", type=int, default=0, help="worker processes (0: one per core)")
+    v.add_argument("--seeds", type=int, default=1, help="seeds per family, load and fleet")
+    v.add_argument("--out", default="out/eval", help="folder for matrix.json/.txt/.png")
+    v.add_argument("--families", help="comma-separated (default: all with their data)")
+    v.add_argument("--fleets", help="comma-separated: 70b-16, 70b-vllm, 8b-vllm")
+    v.add_argument("--loads", help="comma-separated multiples of capacity (default 0.8,1.5,3)")
+    v.add_argument("--policies", help="comma-separated (default naive,saturation,default,"
+                   "oracle,tuned; none and limit-N on request)")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    v.set_defaults(func=_eval)
     return p
 
 

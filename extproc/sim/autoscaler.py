@@ -23,8 +23,9 @@ oldest_inflight_s``, ``queue_depth = waiting``, ``ready``, ``starting``, ``drain
 - ``GatewayRecommender``: the gateway's replica recommender (``extproc.autoscale``) fed that
   ``Window``; it keeps every recommendation with its time (``log``) so a run can be judged by it.
 
-``make(name, min_replicas=, max_replicas=)`` builds one by name (``AUTOSCALERS``): ``hpa`` or
-``recommender``.
+``make(name, min_replicas=, max_replicas=)`` builds one by name (``AUTOSCALERS``): ``hpa``,
+``recommender`` or ``keda`` (``KedaWaiting``, KEDA's Prometheus scaler on the engines'
+``vllm:num_requests_waiting``, the queue-depth baseline).
 
 ``utilization`` is throughput utilization: the work the ready replicas did in the window
 (prefill time plus each generated token at its full-batch cost) over their time, the share of
@@ -147,15 +148,65 @@ class GatewayRecommender:
         return rec.desired
 
 
-AUTOSCALERS = ("hpa", "recommender")
+@dataclass
+class KedaWaiting:
+    """KEDA's Prometheus scaler on ``sum(vllm:num_requests_waiting)`` with an ``AverageValue``
+    target, as the HPA that KEDA generates computes it (External metric, ``AverageValue``)::
+
+        usage   = sum of waiting / (target x current)      current = ready + starting
+        desired = current                       if |usage - 1| <= tolerance (0.1, HPA's)
+                = ceil(sum of waiting / target) otherwise
+
+    then HPA's default scale-up limit (at most ``max(2 x current, current + 4)`` a period:
+    its 100% and 4-pod policies, the larger one), its scale-down stabilization (the highest
+    recommendation of the last ``scale_down_window_s``, 300 s), and the replica bounds.
+
+    ``target`` 5 is llm-d's number for this signal: the Workload Variant Autoscaler
+    (llm-d-incubation/workload-variant-autoscaler, ``docs/saturation-analyzer.md``) calls a
+    vLLM replica saturated at ``queueLengthThreshold: 5`` requests in
+    ``vllm:num_requests_waiting`` (and 80% KV cache); llm-d's KEDA guide
+    (llm-d/llm-d ``docs/architecture/advanced/autoscaling/keda-epp.md``) points at
+    ``vllm:num_requests_waiting`` as the vLLM-native signal when the gateway's flow control
+    is off, with ``pollingInterval: 15``, scale-up stabilization 0 (100% a period) and a
+    300 s scale-down window, the settings here. The signal sees only work that does not fit:
+    with every queue empty it asks for ``min_replicas`` (held for the stabilization window)."""
+
+    target: float = 5.0
+    tolerance: float = 0.1
+    min_replicas: int = 1
+    max_replicas: int = 24
+    scale_down_window_s: float = 300.0
+    _history: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
+
+    def recommend(self, obs: Observation) -> int:
+        current = obs.ready + obs.starting
+        if current > 0 and abs(obs.waiting / (self.target * current) - 1.0) <= self.tolerance:
+            raw = current
+        else:
+            raw = math.ceil(obs.waiting / self.target - 1e-9)
+        raw = min(raw, max(2 * current, current + 4))
+        raw = max(self.min_replicas, min(self.max_replicas, raw))
+        history = self._history
+        history.append((obs.now_s, raw))
+        while history and history[0][0] < obs.now_s - self.scale_down_window_s:
+            history.popleft()
+        if raw < current:  # scale down only as far as the window's highest wish
+            return max(raw, min(current, max(r for _, r in history)))
+        return raw
+
+
+AUTOSCALERS = ("hpa", "recommender", "keda")
 
 
 def make(name: str, *, min_replicas: int, max_replicas: int) -> Recommender:
-    """An autoscaler by name: ``hpa`` (the baseline, utilization target 0.75) or
-    ``recommender`` (the gateway's, default ``ScalingPolicy`` within the same bounds)."""
+    """An autoscaler by name: ``hpa`` (the baseline, utilization target 0.75),
+    ``recommender`` (the gateway's, default ``ScalingPolicy`` within the same bounds) or
+    ``keda`` (``KedaWaiting``, 5 waiting requests a replica)."""
     if name == "hpa":
         return HpaUtilization(target=0.75, min_replicas=min_replicas, max_replicas=max_replicas)
     if name == "recommender":
         return GatewayRecommender(autoscale.ScalingPolicy(min_replicas=min_replicas,
                                                           max_replicas=max_replicas))
+    if name == "keda":
+        return KedaWaiting(min_replicas=min_replicas, max_replicas=max_replicas)
     raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")

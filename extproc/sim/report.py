@@ -206,3 +206,51 @@ def _deadline_s(scenario: Scenario) -> float:
     classes = scenario.config.classes
     cls = scenario.jobs[0].service_class if scenario.jobs else next(iter(classes))
     return classes[cls].deadline_ms / 1000.0
+
+
+def heatmap(rows: Sequence[str], columns: Sequence[str],
+            values: Sequence[Sequence[float | None]], path: str | os.PathLike[str], *,
+            centres: Sequence[float], spans: Sequence[float], formats: Sequence[str],
+            title: str = "") -> None:
+    """A grid of coloured cells, one row per label in ``rows`` and one column per label in
+    ``columns``, each cell printed with its value (``formats[column]``). Colour: red below the
+    column's ``centres`` value, green above, full at ``spans`` away (a ratio's centre is 1, an
+    attainment's 0.99); ``None`` is grey and printed ``-``. The figure grows with the rows so
+    every label stays readable."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    cmap = matplotlib.colormaps["RdYlGn"]
+    fig_h = 1.2 + 0.24 * len(rows)
+    fig_w = 2.6 + 0.13 * max((len(r) for r in rows), default=10) + 1.25 * len(columns)
+    fig, ax = plt.subplots(figsize=(fig_w, fig_h))
+    grey = to_rgba("lightgrey")
+    colours = []
+    for row in values:
+        line = []
+        for j, v in enumerate(row):
+            if v is None or math.isnan(v):
+                line.append(grey)
+            else:
+                line.append(cmap(0.5 + 0.5 * max(-1.0, min(1.0, (v - centres[j]) / spans[j]))))
+        colours.append(line)
+    ax.imshow(colours, aspect="auto", interpolation="nearest")
+    for i, row in enumerate(values):
+        for j, v in enumerate(row):
+            text = "-" if v is None or math.isnan(v) else format(v, formats[j])
+            ax.text(j, i, text, ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(columns)), list(columns), fontsize=8)
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(len(rows)), list(rows), fontsize=7, family="monospace")
+    ax.set_xticks([x - 0.5 for x in range(1, len(columns))], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, len(rows))], minor=True)
+    ax.grid(which="minor", color="white", linewidth=0.6)
+    ax.tick_params(which="minor", length=0)
+    if title:
+        ax.set_title(title, fontsize=9, pad=24)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,204 @@
+"""The evaluation matrix (extproc.sim.evaluate): the reduced run end to end, the sweep, the
+scoring, the KEDA baseline. Nothing here asserts what the default wins: only that the matrix
+measures and reports it faithfully, whatever the default does."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc import cli
+from extproc.sim import evaluate, families
+from extproc.sim.autoscaler import KedaWaiting, Observation
+
+AVAILABLE = [f for f in families.FAMILIES if families.missing(f) is None]
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("eval")
+    stream = io.StringIO()
+    assert evaluate.main(reduced=True, workers=2, out=str(out), progress=False,
+                         stream=stream) == 0
+    return stream.getvalue(), json.loads((out / "matrix.json").read_text()), out
+
+
+def test_every_available_family_ran_once(reduced: tuple[str, dict[str, Any], Path]) -> None:
+    _, data, _ = reduced
+    ran = [c["family"] for c in data["cells"]]
+    assert sorted(ran) == sorted(AVAILABLE)
+    assert {(c["load"], c["seed"], c["fleet"]) for c in data["cells"]} == {
+        (evaluate.REDUCED_LOAD, 0, evaluate.REDUCED_FLEET)}
+
+
+def test_the_json_holds_every_cell_and_policy(reduced: tuple[str, dict[str, Any], Path]
+                                              ) -> None:
+    _, data, _ = reduced
+    for cell in data["cells"]:
+        assert set(cell["policies"]) == set(evaluate.POLICIES)
+        assert cell["params"] and cell["jobs"] > 0
+        for figures in cell["policies"].values():
+            for key in ("goodput", "attainment", "admitted", "rejected", "p99_latency_s"):
+                assert key in figures
+            assert 0.0 <= figures["attainment"] <= 1.0
+            assert figures["goodput"] == pytest.approx(figures["good"] / cell["span_s"],
+                                                       rel=1e-3, abs=1e-5)
+
+
+def test_tuned_is_the_best_limit_it_tried(reduced: tuple[str, dict[str, Any], Path]) -> None:
+    _, data, _ = reduced
+    for cell in data["cells"]:
+        tuned = cell["policies"]["tuned"]
+        tried = {int(n): g for n, g in cell["tuned"]["tried"].items()}
+        assert len(tried) >= 2
+        assert tuned["limit"] == cell["tuned"]["limit"] in tried
+        assert tuned["goodput"] == max(tried.values())
+        assert all(tuned["goodput"] >= g for g in tried.values())
+        assert max(tried) <= cell["tuned"]["upper"]
+
+
+def _ratio(a: float, b: float) -> float | None:
+    if b > 0:
+        return round(a / b, 4)
+    return 1.0 if a <= 0 else None
+
+
+def test_ratios_and_losses_follow_from_the_numbers(reduced: tuple[str, dict[str, Any], Path]
+                                                   ) -> None:
+    _, data, _ = reduced
+    for cell in data["cells"]:
+        pol = cell["policies"]
+        d = pol["default"]
+        for base in ("naive", "saturation", "tuned", "oracle"):
+            assert cell["ratios"][f"default/{base}"] == _ratio(d["goodput"],
+                                                               pol[base]["goodput"])
+        losses = set()
+        if d["goodput"] < pol["naive"]["goodput"]:
+            losses.add("naive")
+        if d["goodput"] < pol["saturation"]["goodput"]:
+            losses.add("saturation")
+        if d["goodput"] < 0.95 * pol["tuned"]["goodput"]:
+            losses.add("tuned")
+        if pol["oracle"]["attainment"] >= 0.99 and d["attainment"] < 0.99:
+            losses.add("attainment")
+        assert set(cell["losses"]) == losses
+
+
+def test_the_summary_counts_the_cells(reduced: tuple[str, dict[str, Any], Path]) -> None:
+    text, data, _ = reduced
+    cells, s = data["cells"], data["summary"]
+    assert s["cells"] == len(cells)
+    assert s[">= naive"] == sum(1 for c in cells if "naive" not in c["losses"])
+    assert s[">= 0.95 x tuned"] == sum(1 for c in cells if "tuned" not in c["losses"])
+    assert s["all targets"] == sum(1 for c in cells if not c["losses"])
+    ratios = sorted(c["ratios"]["default/oracle"] for c in cells)
+    assert s["median default/oracle"] == pytest.approx(
+        (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2, abs=1e-4)
+    assert "median default/oracle" in text and "elapsed:" in text
+
+
+def test_the_table_lists_losing_cells_first(reduced: tuple[str, dict[str, Any], Path]) -> None:
+    text, data, _ = reduced
+    losing = {c["cell"] for c in data["cells"] if c["losses"]}
+    rows = [line.split()[0] for line in text.splitlines()
+            if line.split() and line.split()[0] in {c["cell"] for c in data["cells"]}]
+    assert len(rows) == len(data["cells"])
+    flags = [row in losing for row in rows]
+    assert flags == sorted(flags, reverse=True)  # every losing row before every other
+    assert [c["cell"] for c in data["cells"]] == rows  # the JSON in the table's order
+
+
+def test_the_heatmap_and_the_table_are_written(reduced: tuple[str, dict[str, Any], Path]
+                                               ) -> None:
+    _, _, out = reduced
+    png = out / "matrix.png"
+    assert png.stat().st_size > 5000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "matrix.txt").read_text().startswith("cell")
+
+
+def test_a_cell_is_deterministic() -> None:
+    cell = evaluate.Cell("bimodal", 1.5, 3, "70b-16", size=0.1)
+    a = evaluate.run_cell(cell, ("naive", "default", "tuned"))
+    b = evaluate.run_cell(cell, ("naive", "default", "tuned"))
+    a.pop("wall_s")
+    b.pop("wall_s")
+    assert a == b
+
+
+def test_a_limit_that_never_binds_ends_the_sweep() -> None:
+    sc = families.draw("bimodal", 0, 0.2, "70b-16", size=0.1).scenario
+    best, tried = evaluate.tune(sc, 16)
+    top = max(tried)
+    assert tried[top]["rejected"] == 0 or top == 16
+    assert tried[best]["goodput"] == max(t["goodput"] for t in tried.values())
+
+
+def test_scores_without_a_baseline_goodput() -> None:
+    zero = {"goodput": 0.0, "attainment": 1.0}
+    some = {"goodput": 2.0, "attainment": 1.0}
+    rec = {"policies": {"default": some, "naive": zero, "oracle": zero}}
+    assert evaluate.score(rec) == {"ratios": {"default/naive": None, "default/oracle": None},
+                                   "losses": []}
+    rec = {"policies": {"default": zero, "naive": zero}}
+    assert evaluate.score(rec)["ratios"] == {"default/naive": 1.0}
+
+
+def test_a_missing_trace_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    monkeypatch.setattr(families, "TRACES", tmp_path)
+    stream = io.StringIO()
+    evaluate.main(reduced=True, workers=1, out=None, family_names=["azure-code", "bimodal"],
+                  policies=("default",), progress=False, stream=stream)
+    text = stream.getvalue()
+    assert "azure-code: skipped" in text
+    assert "bimodal/70b-16" in text and "azure-code/" not in text
+
+
+def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["eval", "--reduced", "--families", "bimodal", "--policies", "naive,default",
+                   "--jobs", "1", "--quiet", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "bimodal/70b-16/1.5x/s0" in capsys.readouterr().out
+    assert json.loads((tmp_path / "matrix.json").read_text())["cells"][0]["family"] == "bimodal"
+    assert cli.main(["eval", "--families", "nope", "--quiet"]) == 2
+
+
+def test_an_autoscaled_run_reports_goodput_and_replica_minutes() -> None:
+    run = evaluate.ScaleRun("flash-crowd", 0, "70b-16", "keda", size=0.3)
+    row = evaluate.run_scaled(run)
+    assert row["replica_min"] > 0 and row["peak_replicas"] >= 1
+    assert row["good_per_replica_min"] == pytest.approx(row["good"] / row["replica_min"],
+                                                        rel=1e-2)
+
+
+def _obs(waiting: int, ready: int = 4, starting: int = 0, now: float = 0.0) -> Observation:
+    return Observation(now_s=now, window_s=15.0, ready=ready, starting=starting, draining=0,
+                       arrivals=0, admitted=0, rejected=0, completed=0, good=0, load=0.0,
+                       utilization=0.0, occupancy=0.0, busy=0.0, waiting=waiting,
+                       oldest_waiting_s=0.0, inflight=0, oldest_inflight_s=0.0)
+
+
+def test_keda_asks_for_the_waiting_requests_over_the_target() -> None:
+    assert KedaWaiting(max_replicas=50).recommend(_obs(waiting=31)) == math.ceil(31 / 5)
+
+
+def test_keda_holds_within_the_tolerance() -> None:
+    assert KedaWaiting().recommend(_obs(waiting=21)) == 4  # 21 / (5 x 4) = 1.05
+
+
+def test_keda_scales_up_at_most_double_or_four_more() -> None:
+    assert KedaWaiting(max_replicas=100).recommend(_obs(waiting=500, ready=4)) == 8
+    assert KedaWaiting(max_replicas=100).recommend(_obs(waiting=500, ready=1)) == 5
+
+
+def test_keda_scales_down_only_after_its_window() -> None:
+    k = KedaWaiting(max_replicas=20)
+    assert k.recommend(_obs(waiting=40, ready=4, now=0.0)) == 8
+    assert k.recommend(_obs(waiting=0, ready=8, now=100.0)) == 8  # the window remembers 8
+    assert k.recommend(_obs(waiting=0, ready=8, now=400.0)) == 1  # ... for 300 s
