@@ -15,10 +15,14 @@ the pool's learned output-length distribution (``extproc.lengths``):
                                                    is held by feedback (``extproc.learning``)
 
 and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context ``C̄ = P̄ + Ō /
-2``). With ``n`` requests in flight and ``W`` ms of work outstanding (the ledger's snapshot):
+2``). With ``n`` requests in flight, ``W`` ms of work outstanding and ``K`` KV tokens held
+(each entry's prompt and typical output: the ledger's snapshot):
 
-    slots    S = min(max_num_seqs, kv_tokens / (P̄ + Ō))    a replica's batch: its sequence
+    slots    S = min(max_num_seqs, kv_tokens / f)           a replica's batch: its sequence
                                                           limit, or what its KV cache holds
+                                                          of sequences of the mean footprint
+                                                          ``f = (K + P + o) / (n + 1)`` of
+                                                          those in flight and this one
     batch    b = min(S, (n + 1) / R)                       running sequences per replica
     step       = itl(b, C̄) + (b / Ō) x prefill(P̄)          a decode step, plus the prefill of
                                                           the requests that keep the batch
@@ -42,7 +46,10 @@ with the batch and the context its sequences read (the engine's roofline), and i
 replica every step also carries a share of the prefill of the sequences joining: in steady
 state one sequence in ``Ō`` finishes each step and its successor's prompt is prefilled.
 The KV cache bounds the batch before ``max_num_seqs`` does when contexts are long: a replica
-holds ``kv_tokens / (P̄ + Ō)`` sequences at their final length, and past that vLLM preempts.
+holds ``kv_tokens / f`` sequences at their typical final length, and past that vLLM preempts
+(by recomputation: work lost). Counting what the ledger holds, not the mix, matters when
+prompts are heavy-tailed: a few 100k-token documents fill a replica that a mean would call
+a quarter full.
 
 Charge the typical, promise a quantile. The fleet is charged what requests will probably cost
 (charging ``max_tokens`` in full makes a busy fleet look several times busier than it is); a
@@ -142,6 +149,7 @@ class Snapshot:
 
     inflight: int
     outstanding_ms: float
+    kv_tokens: int = 0  # the KV cache its requests will hold (prompt + typical output each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +181,20 @@ class Capacity:
 
     @property
     def batch(self) -> int:
-        """``S``: the sequences one replica runs at once (docstring)."""
+        """The sequences one replica of the pool's mix runs at once: its charge's batch."""
         return self.engine.full_batch(self.mix.prompt_tokens, self.mix.output_tokens)
+
+    def batch_with(self, snapshot: Snapshot, cost: Cost) -> int:
+        """``S`` for this decision: ``max_num_seqs``, or what a replica's KV cache holds of
+        sequences the size of those in flight, this request included (docstring)."""
+        e = self.engine
+        if not e.kv_tokens:
+            return e.max_num_seqs
+        n, held = snapshot.inflight, snapshot.kv_tokens
+        if n and not held:  # a ledger that does not keep KV tokens: the learned mix
+            held = round(n * (self.mix.prompt_tokens + self.mix.output_tokens))
+        footprint = (held + cost.prompt_tokens + cost.typical) / (n + 1)
+        return max(1, min(e.max_num_seqs, int(e.kv_tokens / footprint)))
 
     @property
     def slots(self) -> int:
@@ -234,6 +254,7 @@ class Decision:
     retry_after_ms: float | None = None  # set on REJECT: when it would fit
     ceiling_ms: float | None = None  # set on ADMIT: the ledger's atomic check (docstring)
     position: int = 0  # its place in the engines' queues (<= 0: a slot is free)
+    step_ms: float = 0.0  # the decode step it was predicted to run at
 
     @property
     def admitted(self) -> bool:
@@ -263,8 +284,10 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     idle_ttft, idle_done = idle_ms(cost, capacity)
     if idle_done > budget or (ttft_budget is not None and idle_ttft > ttft_budget):
         return Decision(Outcome.PASS, Reason.INFEASIBLE, charge, 0.0, idle_ttft, idle_done,
-                        budget, now + idle_done / 1000.0, position=snapshot.inflight + 1
-                        - capacity.slots)
+                        budget, now + idle_done / 1000.0,
+                        position=snapshot.inflight + 1
+                        - capacity.replicas * capacity.batch_with(snapshot, cost),
+                        step_ms=capacity.step_ms(1.0))
 
     replicas = capacity.replicas
     if replicas <= 0:
@@ -273,7 +296,7 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
 
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else charge
-    per_replica = capacity.batch
+    per_replica = capacity.batch_with(snapshot, cost)
     batch = min(float(per_replica), (n + 1) / replicas)
     position = n + 1 - replicas * per_replica
     if position > 0:
@@ -285,7 +308,8 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     # it then fits an idle replica, never a busy one (docstring).
     alone = (budget - capacity.prefill_ms(cost.prompt_tokens, 1.0)) / capacity.step_ms(1.0)
     promised = min(cost.promised, max(alone * (1.0 - 1e-9), 0.0))
-    completion_ms = ttft_ms + promised * capacity.step_ms(batch)
+    step_ms = capacity.step_ms(batch)
+    completion_ms = ttft_ms + promised * step_ms
     finish_at = now + completion_ms / 1000.0
 
     if policy.batch and position + capacity.reserved > 0:
@@ -295,7 +319,7 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
                         completion_ms, budget, finish_at,
                         retry_after_ms=max(slot_ms, (position + capacity.reserved) * slot_ms
                                            / replicas),
-                        position=position)
+                        position=position, step_ms=step_ms)
 
     deadline_excess = completion_ms - budget
     ttft_excess = ttft_ms - ttft_budget if ttft_budget is not None else -math.inf
@@ -303,11 +327,12 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
         slack_ms = -max(deadline_excess, ttft_excess)
         ceiling_ms = snapshot.outstanding_ms + charge + replicas * slack_ms
         return Decision(Outcome.ADMIT, Reason.FITS, charge, wait_ms, ttft_ms, completion_ms,
-                        budget, finish_at, ceiling_ms=ceiling_ms, position=position)
+                        budget, finish_at, ceiling_ms=ceiling_ms, position=position,
+                        step_ms=step_ms)
 
     reason = Reason.DEADLINE if deadline_excess >= ttft_excess else Reason.TTFT
     excess = max(deadline_excess, ttft_excess)
     slot_ms = mean_ms / max(per_replica, 1)
     retry_ms = excess if wait_ms > 0 else max(excess, slot_ms)
     return Decision(Outcome.REJECT, reason, charge, wait_ms, ttft_ms, completion_ms, budget,
-                    finish_at, retry_after_ms=retry_ms, position=position)
+                    finish_at, retry_after_ms=retry_ms, position=position, step_ms=step_ms)

@@ -85,7 +85,7 @@ from extproc.ledger import Entry, Ledger
 from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.request import InferenceRequest, parse
-from extproc.step import NO_CORRECTION, Admission, Ask, admit, charge_of
+from extproc.step import NO_CORRECTION, Admission, Ask, admit, charge_of, kv_of
 from extproc.telemetry import DecisionSpan, Tracing
 from extproc.tenant import Tenant
 
@@ -114,6 +114,7 @@ class Ticket:
     lease_ms: float
     renewer: asyncio.Task[None] | None = field(default=None, repr=False)
     cost_ms: float = 0.0  # its ledger charge
+    kv_tokens: int = 0  # the KV tokens its ledger entry holds
     recorded: bool = True  # False when admitted while the ledger was unavailable
     settled: bool = False  # set by ``Gate.settle``: the renewer stops even if its cancel is lost
     correction: asyncio.Task[None] | None = field(default=None, repr=False)  # exact count
@@ -122,6 +123,8 @@ class Ticket:
     deadline_s: float = math.inf  # its deadline (the promise's feedback)
     batch: bool = False  # its class is a batch class
     unavoidable: float = 0.0  # the step's: chance it misses even alone
+    ttft_ms: float = 0.0  # its decision's predicted first token ...
+    step_ms: float = 0.0  # ... and decode step (its class's lengths learn from them)
 
 
 @dataclass(frozen=True)
@@ -142,10 +145,12 @@ class _View:
     base: Snapshot = field(default_factory=lambda: Snapshot(inflight=0, outstanding_ms=0.0))
     inflight: int = 0
     outstanding_ms: float = 0.0
+    kv_tokens: int = 0
 
     def snapshot(self) -> Snapshot:
         return Snapshot(inflight=max(0, self.base.inflight + self.inflight),
-                        outstanding_ms=max(0.0, self.base.outstanding_ms + self.outstanding_ms))
+                        outstanding_ms=max(0.0, self.base.outstanding_ms + self.outstanding_ms),
+                        kv_tokens=max(0, self.base.kv_tokens + self.kv_tokens))
 
 
 @dataclass(frozen=True)
@@ -196,12 +201,13 @@ class Gate:
         self._pending_counts = 0  # corrections waiting for or running on that thread
         self._calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
         self.learning: dict[str, PoolLearning] = {p.name: learning_for(p) for p in config.pools}
-        self._decay: dict[str, float] = {}  # pool -> its lengths' decay per scrape round
+        self._learns_lengths: set[str] = set()  # pools fed by their engines' histogram
+        self._forgotten_at = self._clock()
         self._reported: dict[tuple[str, int, int], Pool] = {}  # pools with engines' KV sizes
         for pool in config.pools:
             settings, stats = pool.engine_metrics, self.engines.get(pool.name)
             if settings is not None and settings.learn_output_lengths and stats is not None:
-                self._decay[pool.name] = decay_factor(settings.interval_s)
+                self._learns_lengths.add(pool.name)
                 stats.on_lengths = self.learn_lengths
             metrics.watch_learning(pool.name, self.learning[pool.name])
         self.control: Control | None = None  # the autoscaling loop counts what we decide
@@ -217,15 +223,22 @@ class Gate:
                             " per token", pool.name, pool.bytes_per_token)
 
     def learn_lengths(self, pool: str, finished: Sequence[Bucket]) -> None:
-        """One scrape round of the pool's engines: forget a round's worth, then add the
-        outputs that finished since the last round (``EngineStats.on_lengths``)."""
-        factor = self._decay.get(pool)
-        if factor is None:
+        """One scrape round of the pool's engines: the outputs that finished since the last
+        round (``EngineStats.on_lengths``)."""
+        if pool not in self._learns_lengths:
             return
         lengths = self.learning[pool].lengths
-        lengths.decay(factor)
         for low, high, count in finished:
             lengths.observe_bucket(low, high, count)
+
+    def forget(self) -> None:
+        """Decay what the pools learned by the time since the last call (``decay_factor``:
+        the same memory in seconds however often it is called; the sweeper calls it)."""
+        now = self._clock()
+        factor = decay_factor(max(0.0, now - self._forgotten_at))
+        self._forgotten_at = now
+        for learning in self.learning.values():
+            learning.decay(factor)
 
     def _as_reported(self, pool: Pool, engines: PoolStats | None) -> Pool:
         """The pool with the KV cache its engines report (``vllm:cache_config_info``, the
@@ -296,7 +309,7 @@ class Gate:
         stats = self.engines.get(pool.name)
         engines = stats.latest(pool.name) if stats is not None else None  # once per decision
         pool = self._as_reported(pool, engines)
-        self.learning[pool.name].arrived(self.config.classes[cls].batch, self._clock())
+        self.learning[pool.name].arrived(cls, self.config.classes[cls].batch, self._clock())
         try:
             ask, uncounted = await self._ask(request, pool, cls, deadline, replicas, engines)
         except RequestError as exc:
@@ -534,34 +547,45 @@ class Gate:
             return
         exact_ask = dataclasses.replace(
             ask, prompt_tokens=prompt_tokens(request, pool, uncounted.known + tokens))
-        exact = charge_of(exact_ask, pool, self.learning[pool.name], replicas)
+        learning = self.learning[pool.name]
+        exact = charge_of(exact_ask, pool, learning, replicas)
+        kv = kv_of(exact_ask, pool, learning)
         view = self._views.get(pool.name)
         if view is not None:
             view.outstanding_ms += exact - ticket.cost_ms
-        ticket.cost_ms = exact
+            view.kv_tokens += kv - ticket.kv_tokens
+        ticket.cost_ms, ticket.kv_tokens = exact, kv
         with contextlib.suppress(LedgerUnavailable):
-            await self._ledger("adjust", self.ledger.adjust(ticket.request_id, pool.name, exact))
+            await self._ledger("adjust", self.ledger.adjust(ticket.request_id, pool.name, exact,
+                                                            kv))
 
     def _entry(self, request_id: str, pool: str, verdict: Verdict) -> Entry:
         """Every request that reaches the backend is in the ledger, admitted or not (shadow
         mode, infeasible-but-passed): it occupies the GPUs. Its lease: expected finish + grace."""
-        assert verdict.decision is not None
+        assert verdict.decision is not None and verdict.admission is not None
         lease_ms = verdict.decision.completion_ms + self.config.ledger.lease_grace_ms
-        return Entry(request_id, pool, verdict.decision.service_ms, lease_ms)
+        return Entry(request_id, pool, verdict.decision.service_ms, lease_ms,
+                     verdict.admission.kv_tokens)
 
     def _ticket(self, entry: Entry, verdict: Verdict, *, recorded: bool = True) -> Ticket:
         adm = verdict.admission
         assert adm is not None
         ticket = Ticket(entry.request_id, entry.pool, adm.service_class, entry.lease_ms,
-                        cost_ms=entry.cost_ms, recorded=recorded, started=self._clock(),
+                        cost_ms=entry.cost_ms, kv_tokens=entry.kv_tokens, recorded=recorded,
+                        started=self._clock(),
                         deadline_s=adm.policy.deadline_ms / 1000.0, batch=adm.policy.batch,
-                        unavoidable=adm.unavoidable)
+                        unavoidable=adm.unavoidable,
+                        ttft_ms=adm.decision.ttft_ms if adm.decision else 0.0,
+                        step_ms=adm.decision.step_ms if adm.decision else 0.0)
         ticket.renewer = asyncio.create_task(self._renew(ticket))
         view = self._views.setdefault(entry.pool, _View())
         view.inflight += 1
         view.outstanding_ms += entry.cost_ms
+        view.kv_tokens += entry.kv_tokens
         self.metrics.inflight(entry.pool, +1)
-        self.learning[entry.pool].admitted(adm.cost.prompt_tokens)
+        self.learning[entry.pool].admitted(
+            adm.cost.prompt_tokens, adm.policy.batch,
+            adm.decision.completion_ms / 1000.0 if adm.decision else 0.0, self._clock())
         return ticket
 
     async def _renew(self, ticket: Ticket) -> None:
@@ -577,7 +601,8 @@ class Gate:
                 if not await self._ledger("renew", self.ledger.renew(
                         ticket.request_id, ticket.pool, ticket.lease_ms)):
                     await self._ledger("reserve", self.ledger.reserve(Entry(
-                        ticket.request_id, ticket.pool, ticket.cost_ms, ticket.lease_ms)))
+                        ticket.request_id, ticket.pool, ticket.cost_ms, ticket.lease_ms,
+                        ticket.kv_tokens)))
                 ok = ticket.recorded = True
             except LedgerUnavailable:
                 ok = False
@@ -590,7 +615,7 @@ class Gate:
         self.learning[ticket.pool].settled(
             ticket.service_class, batch=ticket.batch, seconds=now - ticket.started,
             deadline_s=ticket.deadline_s, completed=completed, unavoidable=ticket.unavoidable,
-            now=now)
+            now=now, ttft_ms=ticket.ttft_ms, step_ms=ticket.step_ms)
         if self.control is not None:
             self.control.settled(ticket, completed)
         if ticket.renewer is not None:
@@ -609,6 +634,7 @@ class Gate:
         if view is not None:
             view.inflight -= 1
             view.outstanding_ms -= ticket.cost_ms
+            view.kv_tokens -= ticket.kv_tokens
         try:
             await self._ledger("release", self.ledger.release(ticket.request_id, ticket.pool))
         except LedgerUnavailable:
@@ -620,7 +646,9 @@ class Gate:
 
     async def sweep(self) -> int:
         """Retry releases the ledger did not take, then expire entries whose lease ended (the
-        backstop for lost streams). Raises ``LedgerUnavailable``; the next sweep retries."""
+        backstop for lost streams). Raises ``LedgerUnavailable``; the next sweep retries. The
+        pools' learning forgets a sweep's worth first."""
+        self.forget()
         for request_id, pool in list(self._deferred.items()):
             await self._ledger("release", self.ledger.release(request_id, pool))
             del self._deferred[request_id]

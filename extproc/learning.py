@@ -40,6 +40,20 @@ keep ``λ T`` requests in flight; the batch classes may use only what is left be
 2 sqrt(λ T)`` (two standard deviations of a Poisson count) slots: a reserve that follows the
 interactive load instead of a fixed split.
 
+**Lengths per class.** The pool's output lengths (``extproc.lengths``) come from the engines'
+histogram (the simulator: from each completion), exact but for the whole pool. When a pool
+serves several classes their answers differ (chat turns and batch summaries), and a chat
+request promised the pool's 99th percentile would be promised a summary's length. So each
+class also learns its own lengths, from what the gateway sees of its requests: a stream that
+lasted ``d`` after a decision that predicted a first token at ``t`` and decode steps of ``s``
+generated about ``(d - t) / s`` tokens (a stream its client cancelled, at least that many: a
+censored observation). Those are estimates (the batch changes after the decision), so a class
+uses its own lengths only while the pool serves more than one class (each at least
+``CLASS_SHARE`` of the recent requests); a pool serving one class keeps the engines' exact
+histogram. A class's own lengths start from the pool's configured prior, not from the pool's
+mixed histogram (which would promise a chat request a summary's length, refuse it, and never
+learn otherwise). The promise's feedback corrects whatever bias the estimate keeps.
+
 **The mix.** The mean prompt of admitted requests (decayed) and the mean output: the context
 a decode reads and the prefill that joins a busy batch (``extproc.admission.Mix``).
 """
@@ -50,7 +64,7 @@ import math
 from dataclasses import dataclass, field
 
 from extproc.admission import Mix
-from extproc.config import Pool
+from extproc.config import Config, Pool
 from extproc.lengths import Lengths, Prior
 
 TARGET_ATTAINMENT = 0.99
@@ -58,6 +72,7 @@ Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99
 GAIN = 0.002
 DEMAND_MEMORY_S = 60.0
 MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
+CLASS_SHARE = 0.05  # a class counts as served from this share of recent requests
 
 
 def _logit_tail(q: float) -> float:
@@ -118,6 +133,10 @@ class Demand:
         self._durations += 1.0
         self._duration_s += seconds
 
+    @property
+    def measured(self) -> bool:
+        return self._durations > 0
+
     def reserve(self, now: float) -> float:
         """Slots the interactive classes need: ``λ T + 2 sqrt(λ T)``."""
         self._decay(now)
@@ -132,6 +151,8 @@ class PoolLearning:
 
     def __init__(self, prior: Prior | None = None) -> None:
         self.lengths = Lengths(prior)
+        self.class_lengths: dict[str, Lengths] = {}  # inferred from durations (docstring)
+        self._asked: dict[str, float] = {}  # requests per class, decayed like the lengths
         self.promises: dict[str, Promise] = {}
         self.demand = Demand()
         self._prompt = self.lengths.prior.mean * 4.0  # until the first admission
@@ -143,29 +164,70 @@ class PoolLearning:
             promise = self.promises[service_class] = Promise()
         return promise
 
+    def interactive_classes(self, config: Config) -> list[str]:
+        """The classes without ``batch`` that the pool serves (``CLASS_SHARE`` of recent
+        requests or more)."""
+        total = sum(self._asked.values())
+        return [c for c, n in self._asked.items()
+                if n >= CLASS_SHARE * total and c in config.classes
+                and not config.classes[c].batch]
+
+    def lengths_for(self, service_class: str) -> Lengths:
+        """The lengths a class's requests are priced by (module docstring)."""
+        total = sum(self._asked.values())
+        served = sum(1 for n in self._asked.values() if n >= CLASS_SHARE * total)
+        if served < 2:
+            return self.lengths
+        return self._own(service_class)
+
+    def _own(self, service_class: str) -> Lengths:
+        own = self.class_lengths.get(service_class)
+        if own is None:
+            own = self.class_lengths[service_class] = Lengths(self.lengths.prior)
+        return own
+
+    def decay(self, factor: float) -> None:
+        """Forget a round's worth of every length histogram and of the classes' requests."""
+        self.lengths.decay(factor)
+        for own in self.class_lengths.values():
+            own.decay(factor)
+        self._asked = {c: n * factor for c, n in self._asked.items()}
+
     def mix(self) -> Mix:
         return Mix(prompt_tokens=self._prompt, output_tokens=max(1.0, self.lengths.mean()))
 
-    def arrived(self, batch: bool, now: float) -> None:
-        """A request of an interactive (not ``batch``) class asked: it is demand."""
+    def arrived(self, service_class: str, batch: bool, now: float) -> None:
+        """A request asked (admitted or not): it is demand, for the batch classes' reserve if
+        its class is interactive, and it counts its class as served."""
+        self._asked[service_class] = self._asked.get(service_class, 0.0) + 1.0
         if not batch:
             self.demand.arrived(now)
 
-    def admitted(self, prompt_tokens: int) -> None:
+    def admitted(self, prompt_tokens: int, batch: bool = False, expected_s: float = 0.0,
+                 now: float = 0.0) -> None:
+        """A request runs; ``expected_s``: its predicted time in flight, which stands for the
+        interactive classes' measured time until one of their requests has ended."""
+        if not batch and expected_s > 0 and not self.demand.measured:
+            self.demand.served(expected_s, now)
         self._prompts += 1
         w = max(MIX_WEIGHT, 1.0 / self._prompts)
         self._prompt += w * (prompt_tokens - self._prompt)
 
     def settled(self, service_class: str, *, batch: bool, seconds: float, deadline_s: float,
-                completed: bool, unavoidable: float, now: float) -> None:
+                completed: bool, unavoidable: float, now: float, ttft_ms: float = 0.0,
+                step_ms: float = 0.0) -> None:
         """An admitted request's stream ended after ``seconds``: ``completed`` normally, or
         cancelled. Past its deadline it is a miss; a completion within it a hit; a stream
-        cancelled in time says nothing about the promise."""
+        cancelled in time says nothing about the promise. ``ttft_ms`` and ``step_ms``: what
+        its decision predicted (its class's lengths learn from them; 0: nothing to learn)."""
         missed = seconds > deadline_s
         if missed or completed:
             self.promise(service_class).settled(missed, unavoidable)
         if not batch:
             self.demand.served(seconds, now)
+        if step_ms > 0:
+            tokens = max(1.0, (seconds * 1000.0 - ttft_ms) / step_ms)
+            self._own(service_class).observe(tokens, cut=not completed)
 
 
 def learning_for(pool: Pool) -> PoolLearning:

@@ -15,6 +15,11 @@ What becomes of a request, beyond ``decide``:
 - **longer than the model's context** (``prompt + max_tokens`` past ``max_model_len``, or the
   prompt alone when ``max_tokens`` is not sent): 400 ``context_length_exceeded``, as vLLM
   answers it, but at once instead of after a wait in the engine's queue;
+- **its cost**: charged ``(max_tokens or the pool default) x choices``, typically the mean of
+  its class's learned lengths (capped there), promised their ``q``-quantile, ``q`` the class's
+  promise (``extproc.learning``); until the lengths hold ``PRIOR_SAMPLES`` observed outputs
+  the promise is the typical length (optimistic until measured: a prior's tail alone could
+  refuse every request of a class whose answers are shorter than assumed, and teach nothing);
 - **infeasible** (its typical length would miss its deadline even on an idle replica):
   - if the client's deadline header made it so: 400 ``deadline_infeasible`` (a client-tightened
     deadline can get a request refused, never let it through unmanaged);
@@ -22,6 +27,11 @@ What becomes of a request, beyond ``decide``:
   - with ``infeasible: pass`` (the default): it runs if a slot is free now (recorded in the
     ledger like any request), and otherwise gets a 429: it never waits in a queue in front of
     admitted work, and never takes a batch class's place beyond the interactive reserve.
+- **batch work** (a class with ``batch: true``) is admitted only into a free slot beyond the
+  interactive classes' reserve (their measured demand in flight, ``extproc.learning.Demand``),
+  and only if a typical request of each interactive class the pool serves, arriving after it
+  and after the reserve, would still be admitted: batch work takes only the capacity the
+  interactive classes do not need for their objectives, slots and step time alike;
 - every request that runs is recorded, with a lease of its predicted completion plus
   ``ledger.lease_grace_ms``, and reserved against the decision's ceiling less the engines'
   correction (work the ledger does not know about must not widen the room other gateways get).
@@ -33,11 +43,21 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot, decide
+from extproc.admission import (
+    Capacity,
+    Cost,
+    Decision,
+    Outcome,
+    Policy,
+    Reason,
+    Snapshot,
+    decide,
+)
 from extproc.config import Config, Infeasible, Pool
 from extproc.enginestats import Correction
 from extproc.errors import BadRequest, RequestError
 from extproc.learning import PoolLearning
+from extproc.lengths import PRIOR_SAMPLES
 
 NO_CORRECTION = Correction()
 
@@ -71,6 +91,11 @@ class Admission:
     unavoidable: float = 0.0  # chance it misses even alone (the promise's feedback)
 
     @property
+    def kv_tokens(self) -> int:
+        """The KV cache its ledger entry holds: its prompt and typical output."""
+        return round(self.cost.prompt_tokens + self.cost.typical)
+
+    @property
     def runs(self) -> bool:
         """It goes to the engines (admitted, or passed as infeasible into a free slot)."""
         return self.outcome in (Outcome.ADMIT, Outcome.PASS)
@@ -94,10 +119,17 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
     if ask.prefill_only:
         return Cost(ask.prompt_tokens, 0, 0.0, 0.0)
     charged = (ask.max_tokens or pool.default_max_tokens) * max(1, ask.choices)
-    lengths = learning.lengths
-    promised = (lengths.quantile(learning.promise(ask.service_class).quantile)
-                if ask.known_output_tokens is None else ask.known_output_tokens)
-    return Cost(ask.prompt_tokens, charged, lengths.mean(charged), promised)
+    lengths = learning.lengths_for(ask.service_class)
+    typical = lengths.mean(charged)
+    if ask.known_output_tokens is not None:
+        promised = float(ask.known_output_tokens)
+    elif lengths.seen < PRIOR_SAMPLES:
+        # Optimistic until measured: a quantile of a prior alone could refuse every request
+        # of a class whose answers are shorter than assumed, and then nothing is learned.
+        promised = typical
+    else:
+        promised = lengths.quantile(learning.promise(ask.service_class).quantile)
+    return Cost(ask.prompt_tokens, charged, typical, promised)
 
 
 def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
@@ -110,6 +142,12 @@ def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
 def charge_of(ask: Ask, pool: Pool, learning: PoolLearning, replicas: int) -> float:
     """The ledger charge of ``ask`` (its GPU share in a full batch)."""
     return capacity_for(pool, replicas, learning).charge_ms(cost_of(ask, pool, learning))
+
+
+def kv_of(ask: Ask, pool: Pool, learning: PoolLearning) -> int:
+    """The KV tokens the ledger entry of ``ask`` holds (``Admission.kv_tokens``)."""
+    cost = cost_of(ask, pool, learning)
+    return round(cost.prompt_tokens + cost.typical)
 
 
 def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot: Snapshot,
@@ -146,6 +184,11 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
             decision = dataclasses.replace(decision, outcome=Outcome.REJECT,
                                            retry_after_ms=max(slot_ms, 1.0))
             outcome = Outcome.REJECT
+    if outcome is Outcome.ADMIT and policy.batch:
+        crowded = _crowds_out(ask, cost, decision, pool, config, learning, snapshot, capacity,
+                              now)
+        if crowded is not None:
+            decision, outcome, reason = crowded, crowded.outcome, crowded.reason
     runs = outcome in (Outcome.ADMIT, Outcome.PASS)
     ceiling = decision.ceiling_ms
     if ceiling is not None:
@@ -154,11 +197,40 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         outcome, reason, ask.service_class, policy, cost, decision, error,
         lease_ms=decision.completion_ms + config.ledger.lease_grace_ms if runs else 0.0,
         ceiling_ms=ceiling if outcome is Outcome.ADMIT else None,
-        unavoidable=unavoidable(cost, capacity, policy, learning) if runs else 0.0)
+        unavoidable=unavoidable(cost, capacity, policy, learning, ask.service_class)
+        if runs else 0.0)
 
 
-def unavoidable(cost: Cost, capacity: Capacity, policy: Policy,
-                learning: PoolLearning) -> float:
+def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,
+                learning: PoolLearning, snapshot: Snapshot, capacity: Capacity,
+                now: float) -> Decision | None:
+    """A batch request is admitted only if the interactive classes' own requests would still
+    be: for each interactive class the pool serves, a request of its typical size arriving
+    after this one and after the reserve (its measured demand in flight) must pass its own
+    decision. Otherwise the batch request is refused (``NO_CAPACITY``): the room is the
+    interactive classes'. Returns the refusal, or None."""
+    n = snapshot.inflight
+    reserve = math.ceil(capacity.reserved)
+    mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
+    mean_kv = (snapshot.kv_tokens / n) if n else cost.prompt_tokens + cost.typical
+    after = Snapshot(n + 1 + reserve,
+                     snapshot.outstanding_ms + decision.service_ms + reserve * mean_ms,
+                     round(snapshot.kv_tokens + cost.prompt_tokens + cost.typical
+                           + reserve * mean_kv))
+    plain = dataclasses.replace(capacity, reserved=0.0)
+    prompt = round(capacity.mix.prompt_tokens)
+    for other in learning.interactive_classes(config):
+        probe = cost_of(Ask(other, prompt, None), pool, learning)
+        seen = decide(probe, after, plain, class_policy(config, other, None), now)
+        if not seen.admitted:
+            return dataclasses.replace(decision, outcome=Outcome.REJECT,
+                                       reason=Reason.NO_CAPACITY, ceiling_ms=None,
+                                       retry_after_ms=max(mean_ms / max(plain.batch, 1), 1.0))
+    return None
+
+
+def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLearning,
+                policy_class: str) -> float:
     """The chance the request's answer is too long for its budget even alone on an idle
     replica (``extproc.learning``: such misses do not tighten the promise)."""
     if cost.output_tokens <= 0:
@@ -168,4 +240,6 @@ def unavoidable(cost: Cost, capacity: Capacity, policy: Policy,
     longest = room_ms / e.itl_ms(1, cost.prompt_tokens)
     if longest >= cost.output_tokens:
         return 0.0
-    return learning.lengths.survival(max(0.0, longest)) if math.isfinite(longest) else 0.0
+    if not math.isfinite(longest):
+        return 0.0
+    return learning.lengths_for(policy_class).survival(max(0.0, longest))

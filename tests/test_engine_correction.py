@@ -330,8 +330,8 @@ async def test_targets_from_capacity_scrape_the_hosts_envoy_routes_to(tmp_path: 
 
 async def test_the_kv_cache_the_engines_report_bounds_the_batch(tmp_path: Path) -> None:
     # The configuration says the default engine (12,800 blocks: all 64 sequences fit); the
-    # engine says 200 blocks (3,200 tokens: about 12 sequences of the pool's mix, short
-    # prompts and the prior's 256-token answers). Once scraped, admission counts on that.
+    # engine says 200 blocks (3,200 tokens: some 30 sequences of ~100 tokens, a short prompt
+    # and the typical answer under max_tokens 100). Once scraped, admission counts on that.
     port = free_port()
     proc = Process("small-kv", [sys.executable, "-m", "extproc", "fake-backend", "--port",
                                 str(port), "--max-num-seqs", "64", "--num-gpu-blocks", "200"],
@@ -353,10 +353,11 @@ async def test_the_kv_cache_the_engines_report_bounds_the_batch(tmp_path: Path) 
         await stats.scrape("llama")
         assert stats.latest("llama").kv_blocks == (200, 16)
         third = await gate.check(route, route.path, {}, json.dumps(chat(100)).encode())
-        mix = gate.learning["llama"].mix()
-        fits = int(3200 / (mix.prompt_tokens + mix.output_tokens))
-        assert 8 <= fits <= 16
-        assert third.decision is not None and third.decision.position == 3 + 1 - fits
+        assert third.admission is not None and third.decision is not None
+        each = third.admission.kv_tokens  # all four alike: prompt + typical output
+        fits = int(3200 / each)
+        assert 16 <= fits <= 40
+        assert third.decision.position == 3 + 1 - fits
         for v in (*first, third):
             if v.ticket is not None:
                 await gate.settle(v.ticket)

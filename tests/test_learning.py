@@ -106,3 +106,24 @@ def test_a_pool_learns_its_mix_and_feeds_its_promises_per_class() -> None:
                      unavoidable=0.0, now=1.0)  # cancelled in time: no news
     assert learning.promise("latency").misses == 1
     assert (learning.promise("batch").hits, learning.promise("batch").misses) == (0, 0)
+
+
+def test_each_class_learns_its_own_lengths_once_the_pool_serves_several() -> None:
+    learning = PoolLearning()
+    for t in range(200):
+        learning.arrived("chat", False, float(t))
+        learning.lengths.observe(100)  # the engines' histogram: everything, exact
+    assert learning.lengths_for("chat") is learning.lengths  # one class: the exact one
+    for t in range(200):
+        learning.arrived("batch", True, float(t))
+        # a batch answer: 20 s of decoding at 20 ms a step after a 1 s first token
+        learning.settled("batch", batch=True, seconds=21.0, deadline_s=600.0, completed=True,
+                         unavoidable=0.0, now=float(t), ttft_ms=1000.0, step_ms=20.0)
+        learning.settled("chat", batch=False, seconds=2.5, deadline_s=30.0, completed=True,
+                         unavoidable=0.0, now=float(t), ttft_ms=500.0, step_ms=20.0)
+    assert learning.lengths_for("batch").mean() == pytest.approx(1000, rel=0.1)
+    assert learning.lengths_for("chat").mean() == pytest.approx(100, rel=0.1)
+    # a stream cancelled early says the answer was at least that long (censored)
+    learning.settled("chat", batch=False, seconds=60.0, deadline_s=30.0, completed=False,
+                     unavoidable=0.0, now=300.0, ttft_ms=500.0, step_ms=20.0)
+    assert learning.lengths_for("chat").quantile(0.999) > 2500

@@ -52,13 +52,33 @@ async def ledger(request: pytest.FixtureRequest) -> AsyncIterator[Ledger]:
     await impl.close()
 
 
-def entry(rid: str, cost: float = 100.0, pool: str = "p", lease_ms: float = 60_000) -> Entry:
-    return Entry(request_id=rid, pool=pool, cost_ms=cost, lease_ms=lease_ms)
+def entry(rid: str, cost: float = 100.0, pool: str = "p", lease_ms: float = 60_000,
+          kv: int = 1000) -> Entry:
+    return Entry(request_id=rid, pool=pool, cost_ms=cost, lease_ms=lease_ms, kv_tokens=kv)
 
 
 async def test_empty_pool_snapshot(ledger: Ledger) -> None:
     snap = await ledger.snapshot("p")
-    assert (snap.inflight, snap.outstanding_ms) == (0, 0.0)
+    assert (snap.inflight, snap.outstanding_ms, snap.kv_tokens) == (0, 0.0, 0)
+
+
+async def test_the_kv_tokens_entries_hold_add_up_through_every_operation(ledger: Ledger) -> None:
+    await ledger.reserve(entry("a", kv=1200))
+    await ledger.reserve(entry("b", kv=30_000))
+    await ledger.reserve(entry("a", kv=1200))  # a retried reserve counts once
+    assert (await ledger.snapshot("p")).kv_tokens == 31_200
+    assert await ledger.adjust("a", "p", 120.0, kv_tokens=1500)  # the exact count came
+    assert await ledger.adjust("b", "p", 90.0)  # cost only: its tokens stay
+    assert (await ledger.snapshot("p")).kv_tokens == 31_500
+    assert not await ledger.reserve(entry("c", 900.0, kv=99), ceiling_ms=1.0)  # refused
+    assert (await ledger.snapshot("p")).kv_tokens == 31_500
+    await ledger.reserve(entry("short", lease_ms=50, kv=7))
+    await asyncio.sleep(0.15)
+    assert await ledger.expire() == 1
+    assert await ledger.release("a", "p")
+    assert (await ledger.snapshot("p")).kv_tokens == 30_000
+    assert await ledger.release("b", "p")
+    assert (await ledger.snapshot("p")).kv_tokens == 0
 
 
 async def test_reserve_then_release_round_trip(ledger: Ledger) -> None:

@@ -189,8 +189,9 @@ def once(url: str, prefix: str, call: Callable[[RedisLedger], Awaitable[T]]) -> 
 
 def dump(server: RedisServer, ledger: RedisLedger) -> tuple[Any, ...]:
     r = server.client()
-    leases, costs, total = ledger.keys("p")
-    return (r.zrange(leases, 0, -1, withscores=True), r.hgetall(costs), r.get(total))
+    leases, costs, total, kv = ledger.keys("p")
+    return (r.zrange(leases, 0, -1, withscores=True), r.hgetall(costs), r.get(total),
+            r.get(kv))
 
 
 def test_processes_racing_for_one_ceiling_never_exceed_it_and_refusals_change_nothing(
@@ -340,7 +341,8 @@ async def test_unix_socket() -> None:
 
 # The least privilege the ledger needs (also in docs/redis-ledger.md).
 LEDGER_ACL = ("ledger on >{password} resetkeys ~extproc:* resetchannels -@all +evalsha +eval"
-              " +zadd +zscore +zcard +zrem +zrangebyscore +hget +hset +hdel +get +set +del +time"
+              " +zadd +zscore +zcard +zrem +zrangebyscore +hget +hset +hdel +get +set +del +incrby"
+              " +decrby +time"
               " +config|get")
 
 

@@ -32,7 +32,8 @@ FAILED_STAT = "http.ingress.ext_proc.failure_mode_allowed"
 # 1 replica x 2 slots at 2 ms/token: each request is charged ~0.6 s, so with a 1.2 s deadline
 # (0.96 s budget) two fit at a time and the rest of 20 req/s get 429. The backend really runs
 # 20 tokens in ~0.2 s, with slots to spare for the unadmitted traffic of fail-open.
-SETTINGS = {"pools": [pool(replicas=1, max_num_seqs=2, itl_ms_at_1=2.0, itl_ms_per_running=0.84)],
+SETTINGS = {"pools": [pool(replicas=1, max_num_seqs=2,
+                   engine={"step_base_ms": 1.1, "ms_per_seq": 0.82})],
             "drain_grace_s": 0}
 BACKEND = ["--max-running", "8", "--time-scale", "0.5"]
 ASK = Ask(prompt_tokens=20, max_tokens=300, output_tokens=20, deadline_ms=1200)

@@ -42,7 +42,8 @@ _prefixes = itertools.count()
 def settings(ledger: dict[str, Any]) -> dict[str, Any]:
     """1 replica x 2 slots; 300 output tokens take ~0.6 s alone (2 ms/token), ~0.85 s two at a
     time; a third would wait behind them and finish past the 0.96 s budget."""
-    return {"pools": [pool(replicas=1, max_num_seqs=2, itl_ms_at_1=2.0, itl_ms_per_running=0.84)],
+    return {"pools": [pool(replicas=1, max_num_seqs=2,
+                   engine={"step_base_ms": 1.1, "ms_per_seq": 0.82})],
             "drain_grace_s": 0,
             "ledger": {"lease_grace_ms": GRACE_MS, "sweep_interval_ms": 100, **ledger}}
 

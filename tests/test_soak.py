@@ -71,7 +71,8 @@ ASK = Ask(prompt_tokens=20, max_tokens=300, output_tokens=20, deadline_ms=1200)
 
 def settings(redis: RedisServer) -> dict[str, Any]:
     return {
-        "pools": [pool(replicas=1, max_num_seqs=2, itl_ms_at_1=2.0, itl_ms_per_running=0.84)],
+        "pools": [pool(replicas=1, max_num_seqs=2,
+                   engine={"step_base_ms": 1.1, "ms_per_seq": 0.82})],
         "drain_grace_s": 0,
         "ledger": {"kind": "redis", "url": redis.url, "key_prefix": PREFIX,
                    "timeout_ms": 200, "decision_deadline_ms": 300,

@@ -40,7 +40,21 @@ def test_an_ordinary_request_on_an_idle_fleet_is_admitted_with_a_lease_and_a_cei
     assert adm.lease_ms == pytest.approx(adm.decision.completion_ms + 30_000)
     assert adm.ceiling_ms == pytest.approx(adm.decision.ceiling_ms)
     assert adm.cost.typical == pytest.approx(100, rel=0.1)  # the prior's mean
-    assert adm.cost.promised == pytest.approx(200)  # its quantile, capped by max_tokens
+    # nothing observed yet: promised its typical length (optimistic until measured)
+    assert adm.cost.promised == pytest.approx(adm.cost.typical)
+
+
+def test_once_measured_the_promise_is_a_quantile_of_the_class_lengths() -> None:
+    learning = learning_for(POOL)
+    for _ in range(100):
+        learning.lengths.observe(150)
+    adm = admit(Ask("latency", 500, 2000), POOL, CONFIG, learning, IDLE, 2, 0.0)
+    assert adm.cost.typical == pytest.approx(150, rel=0.05)
+    assert adm.cost.promised == pytest.approx(
+        learning.lengths.quantile(learning.promise("latency").quantile))
+    assert adm.cost.promised > adm.cost.typical
+    capped = admit(Ask("latency", 500, 100), POOL, CONFIG, learning, IDLE, 2, 0.0)
+    assert capped.cost.promised == 100  # never above max_tokens
 
 
 def test_longer_than_the_model_is_refused_at_once_as_the_engine_would() -> None:
@@ -87,7 +101,7 @@ def test_the_engines_correction_tightens_the_decision_and_lowers_the_ceiling() -
 def test_batch_requests_leave_the_interactive_reserve_alone() -> None:
     learning = learning_for(POOL)
     for t in range(0, 600, 2):  # interactive demand: one every 2 s, 4 s each: 2 in flight
-        learning.arrived(False, float(t))
+        learning.arrived("latency", False, float(t))
         learning.settled("latency", batch=False, seconds=4.0, deadline_s=10.0,
                          completed=True, unavoidable=0.0, now=float(t))
     reserve = learning.demand.reserve(600.0)
@@ -104,3 +118,24 @@ def test_a_request_that_may_run_long_is_marked_for_the_promise() -> None:
     adm = step(Ask("latency", 100, 4000))  # could produce far more than fits 8 s alone
     assert adm.runs and 0 < adm.unavoidable < 0.2
     assert step(Ask("latency", 100, 50)).unavoidable == 0.0  # 50 tokens always fit
+
+
+def test_batch_work_is_refused_when_it_would_crowd_out_interactive_requests() -> None:
+    # The interactive class is served (it asked), and a batch request would push the batch to
+    # where a typical interactive request no longer fits its budget: refused, though a slot
+    # is free. On a quiet fleet the same batch request is admitted.
+    tight = settings(classes={"latency": {"deadline_ms": 2_500, "ttft_ms": 500},
+                              "throughput": {"deadline_ms": 600_000, "batch": True}})
+    learning = learning_for(POOL)
+    for t in range(20):
+        learning.arrived("latency", False, float(t))
+        learning.arrived("throughput", True, float(t))
+    batch = Ask("throughput", 500, 200)
+    quiet = admit(batch, POOL, tight, learning, Snapshot(1, 400.0, 700), 2, 20.0)
+    assert quiet.outcome is Outcome.ADMIT
+    busy = admit(batch, POOL, tight, learning, Snapshot(5, 5 * 400.0, 5 * 700), 2, 20.0)
+    assert (busy.outcome, busy.reason) == (Outcome.REJECT, Reason.NO_CAPACITY)
+    assert busy.decision.position < 0  # a slot was free: the interactive objectives refused it
+    interactive = admit(Ask("latency", 500, 100), POOL, tight, learning,
+                        Snapshot(5, 5 * 400.0, 5 * 700), 2, 20.0)
+    assert interactive.outcome is Outcome.ADMIT

@@ -9,11 +9,13 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 - ``release(request_id, pool)`` removes it exactly once: True the first time, False for a
   double, late or unknown release, which never touch another entry.
 - ``renew(request_id, pool, lease_ms)`` extends the lease of a live entry.
-- ``adjust(request_id, pool, cost_ms)`` changes the cost of a live entry (its exact cost
-  arrived after it was admitted on an estimate); False, touching nothing, when it is gone.
+- ``adjust(request_id, pool, cost_ms, kv_tokens)`` changes the cost (and, when given, the
+  KV footprint) of a live entry (its exact count arrived after it was admitted on an
+  estimate); False, touching nothing, when it is gone.
 - ``expire()`` drops entries whose lease ended (their gateway died or lost the stream); a
   backstop, never the normal path.
-- ``snapshot(pool)`` is the decision's input: in-flight count and outstanding work.
+- ``snapshot(pool)`` is the decision's input: in-flight count, outstanding work and the KV
+  tokens the entries will hold (each entry's ``kv_tokens``, its prompt and typical output).
 
 Leases are measured by the ledger's own clock, never the caller's.
 """
@@ -32,6 +34,7 @@ class Entry:
     pool: str
     cost_ms: float  # the request's estimated service time, its share of outstanding work
     lease_ms: float  # how long the entry lives without a renewal or release
+    kv_tokens: int = 0  # the KV cache it will hold: prompt + typical output
 
 
 class Ledger(Protocol):
@@ -41,7 +44,8 @@ class Ledger(Protocol):
 
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool: ...
 
-    async def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool: ...
+    async def adjust(self, request_id: str, pool: str, cost_ms: float,
+                     kv_tokens: int | None = None) -> bool: ...
 
     async def expire(self) -> int: ...
 

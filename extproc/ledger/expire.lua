@@ -3,10 +3,16 @@
 -- the caller repeats while a full batch came back.
 --
 -- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
--- KEYS[2]  costs   hash: request id -> cost in ms
+-- KEYS[2]  costs   hash: request id -> "cost kv"
 -- KEYS[3]  total   string: the pool's outstanding work in ms
+-- KEYS[4]  kv      string: the KV tokens the pool's entries hold
 -- ARGV[1]  most entries to drop
 -- Returns the number dropped.
+local function split(v)  -- "cost kv" (or "cost", from before kv was kept): numbers
+  local sep = string.find(v, ' ', 1, true)
+  if not sep then return tonumber(v), 0 end
+  return tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%.17g', now),
@@ -15,16 +21,19 @@ if #ids == 0 then
   return 0
 end
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+local kvs = 0
 for _, id in ipairs(ids) do
-  local cost = tonumber(redis.call('HGET', KEYS[2], id) or '0')
+  local cost, kv = split(redis.call('HGET', KEYS[2], id) or '0')
   redis.call('HDEL', KEYS[2], id)
   redis.call('ZREM', KEYS[1], id)
   total = total - cost
   if total < 0 then total = 0 end
+  kvs = kvs + kv
 end
 if redis.call('ZCARD', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[3])
+  redis.call('DEL', KEYS[3], KEYS[4])
 else
   redis.call('SET', KEYS[3], string.format('%.17g', total))
+  redis.call('DECRBY', KEYS[4], kvs)
 end
 return #ids

@@ -28,15 +28,17 @@ _EMPTY = Snapshot(inflight=0, outstanding_ms=0.0)
 
 @dataclass
 class _Pool:
-    entries: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (cost, lease end)
+    entries: dict[str, tuple[float, float, int]] = field(  # id -> (cost, lease end, kv)
+        default_factory=dict)
     outstanding_ms: float = 0.0
+    kv_tokens: int = 0
     leases: list[tuple[float, str]] = field(default_factory=list)
 
 
 def _compact(p: _Pool) -> None:
     """Rebuild the lease heap from the live entries once stale items dominate it."""
     if len(p.leases) > 2 * len(p.entries) + 64:
-        p.leases = [(end, rid) for rid, (_, end) in p.entries.items()]
+        p.leases = [(end, rid) for rid, (_, end, _) in p.entries.items()]
         heapq.heapify(p.leases)
 
 
@@ -60,8 +62,9 @@ class LedgerCore:
         if ceiling_ms is not None and pool.outstanding_ms + entry.cost_ms > ceiling_ms:
             return False
         end = self._clock() + entry.lease_ms / 1000.0
-        pool.entries[entry.request_id] = (entry.cost_ms, end)
+        pool.entries[entry.request_id] = (entry.cost_ms, end, entry.kv_tokens)
         pool.outstanding_ms += entry.cost_ms
+        pool.kv_tokens += entry.kv_tokens
         heapq.heappush(pool.leases, (end, entry.request_id))
         return True
 
@@ -69,9 +72,10 @@ class LedgerCore:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
-        cost, _ = p.entries.pop(request_id)
+        cost, _, kv = p.entries.pop(request_id)
         # Floating-point sums drift: an empty pool owes exactly nothing.
         p.outstanding_ms = max(0.0, p.outstanding_ms - cost) if p.entries else 0.0
+        p.kv_tokens -= kv
         if not p.entries:
             p.leases.clear()
         _compact(p)
@@ -81,20 +85,23 @@ class LedgerCore:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
-        cost, _ = p.entries[request_id]
+        cost, _, kv = p.entries[request_id]
         end = self._clock() + lease_ms / 1000.0
-        p.entries[request_id] = (cost, end)
+        p.entries[request_id] = (cost, end, kv)
         heapq.heappush(p.leases, (end, request_id))
         _compact(p)
         return True
 
-    def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool:
+    def adjust(self, request_id: str, pool: str, cost_ms: float,
+               kv_tokens: int | None = None) -> bool:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
-        old, end = p.entries[request_id]
-        p.entries[request_id] = (cost_ms, end)
+        old, end, kv = p.entries[request_id]
+        new_kv = kv if kv_tokens is None else kv_tokens
+        p.entries[request_id] = (cost_ms, end, new_kv)
         p.outstanding_ms = max(0.0, p.outstanding_ms - old + cost_ms)
+        p.kv_tokens += new_kv - kv
         return True
 
     def expire(self) -> int:
@@ -113,7 +120,8 @@ class LedgerCore:
         p = self._pools.get(pool)
         if p is None:
             return _EMPTY
-        return Snapshot(inflight=len(p.entries), outstanding_ms=p.outstanding_ms)
+        return Snapshot(inflight=len(p.entries), outstanding_ms=p.outstanding_ms,
+                        kv_tokens=p.kv_tokens)
 
     def close(self) -> None:
         self._pools.clear()
@@ -134,8 +142,9 @@ class MemoryLedger:
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
         return self.core.renew(request_id, pool, lease_ms)
 
-    async def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool:
-        return self.core.adjust(request_id, pool, cost_ms)
+    async def adjust(self, request_id: str, pool: str, cost_ms: float,
+                     kv_tokens: int | None = None) -> bool:
+        return self.core.adjust(request_id, pool, cost_ms, kv_tokens)
 
     async def expire(self) -> int:
         return self.core.expire()

@@ -2,18 +2,19 @@
 
 Exactly as correct as the in-process ledger while Redis answers (the same contract tests run
 against both, and on any sequence of calls both compute bit-for-bit the same outstanding work).
-Per pool, three keys that share the hash tag ``{pool}``, so a pool lives in one Cluster slot and
+Per pool, four keys that share the hash tag ``{pool}``, so a pool lives in one Cluster slot and
 every script touches a single slot (never CROSSSLOT)::
 
     <prefix>:{<pool>}:leases   sorted set  request id -> lease end (ms of Redis server time)
-    <prefix>:{<pool>}:costs    hash        request id -> cost (ms)
+    <prefix>:{<pool>}:costs    hash        request id -> "cost kv" (ms, KV tokens)
     <prefix>:{<pool>}:total    string      sum of the costs: the pool's outstanding work (ms)
+    <prefix>:{<pool>}:kv       string      sum of the KV tokens the entries will hold
 
 Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header):
 ``reserve`` checks the ceiling and records in one atomic step, ``release`` removes exactly once,
 ``renew`` moves a lease end, ``adjust`` changes a live entry's cost, ``expire`` drops at most
-``sweep_batch`` lapsed entries per call, ``snapshot`` reads the count and the total together.
-The total is an aggregate the scripts keep, never a sum over members, so each call costs
+``sweep_batch`` lapsed entries per call, ``snapshot`` reads the count and the totals together.
+The totals are aggregates the scripts keep, never a sum over members, so each call costs
 O(log n) whatever the load. Lease ends come from Redis's ``TIME``: gateway clocks never matter.
 Python decides the ceiling; Lua only checks it. Scripts are sent by SHA (EVALSHA); a server
 that lost them (restart, failover, SCRIPT FLUSH) answers NOSCRIPT and gets the source once
@@ -115,15 +116,15 @@ class RedisLedger:
         return cls(client, key_prefix=config.key_prefix, pools=pools, breaker=breaker,
                    where=describe(config), extra_clients=extra)
 
-    def keys(self, pool: str) -> tuple[str, str, str]:
-        """The pool's leases, costs and total keys (one hash tag: one Cluster slot)."""
+    def keys(self, pool: str) -> tuple[str, str, str, str]:
+        """The pool's leases, costs, total and kv keys (one hash tag: one Cluster slot)."""
         base = f"{self.prefix}:{{{pool}}}"
-        return f"{base}:leases", f"{base}:costs", f"{base}:total"
+        return f"{base}:leases", f"{base}:costs", f"{base}:total", f"{base}:kv"
 
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
         self._pools.setdefault(entry.pool)
         args = (entry.request_id, _num(entry.cost_ms), _num(entry.lease_ms),
-                "" if ceiling_ms is None else _num(ceiling_ms))
+                "" if ceiling_ms is None else _num(ceiling_ms), str(int(entry.kv_tokens)))
         return bool(await self._run("reserve", _RESERVE, self.keys(entry.pool), args))
 
     async def release(self, request_id: str, pool: str) -> bool:
@@ -133,10 +134,11 @@ class RedisLedger:
         leases = self.keys(pool)[0]
         return bool(await self._run("renew", _RENEW, (leases,), (request_id, _num(lease_ms))))
 
-    async def adjust(self, request_id: str, pool: str, cost_ms: float) -> bool:
-        _, costs, total = self.keys(pool)
-        return bool(await self._run("adjust", _ADJUST, (costs, total),
-                                    (request_id, _num(cost_ms))))
+    async def adjust(self, request_id: str, pool: str, cost_ms: float,
+                     kv_tokens: int | None = None) -> bool:
+        _, costs, total, kv = self.keys(pool)
+        args = (request_id, _num(cost_ms), "" if kv_tokens is None else str(int(kv_tokens)))
+        return bool(await self._run("adjust", _ADJUST, (costs, total, kv), args))
 
     async def expire(self) -> int:
         """Drop lapsed entries of every known pool, ``sweep_batch`` per script call and at
@@ -154,9 +156,11 @@ class RedisLedger:
         return dropped
 
     async def snapshot(self, pool: str) -> Snapshot:
-        leases, _, total = self.keys(pool)
-        count, outstanding = await self._run("snapshot", _SNAPSHOT, (leases, total), ())
-        return Snapshot(inflight=int(count), outstanding_ms=float(outstanding))
+        leases, _, total, kv = self.keys(pool)
+        count, outstanding, tokens = await self._run("snapshot", _SNAPSHOT, (leases, total, kv),
+                                                     ())
+        return Snapshot(inflight=int(count), outstanding_ms=float(outstanding),
+                        kv_tokens=int(tokens))
 
     async def check(self) -> None:
         """Probe every known pool (the health signal); the first success also inspects the

@@ -1,22 +1,30 @@
 -- release: remove one request's entry, exactly once.
 --
 -- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
--- KEYS[2]  costs   hash: request id -> cost in ms
+-- KEYS[2]  costs   hash: request id -> "cost kv"
 -- KEYS[3]  total   string: the pool's outstanding work in ms
+-- KEYS[4]  kv      string: the KV tokens the pool's entries hold
 -- ARGV[1]  request id
 -- Returns 1 when the entry was removed, 0 when it was not there (a double, late or unknown
 -- release), which touches nothing. An emptied pool leaves no keys behind.
-local cost = redis.call('HGET', KEYS[2], ARGV[1])
-if not cost then
+local function split(v)  -- "cost kv" (or "cost", from before kv was kept): numbers
+  local sep = string.find(v, ' ', 1, true)
+  if not sep then return tonumber(v), 0 end
+  return tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
+end
+local value = redis.call('HGET', KEYS[2], ARGV[1])
+if not value then
   return 0
 end
+local cost, kv = split(value)
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[1], ARGV[1])
 if redis.call('ZCARD', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[3])
+  redis.call('DEL', KEYS[3], KEYS[4])
 else
-  local total = tonumber(redis.call('GET', KEYS[3]) or '0') - tonumber(cost)
+  local total = tonumber(redis.call('GET', KEYS[3]) or '0') - cost
   if total < 0 then total = 0 end
   redis.call('SET', KEYS[3], string.format('%.17g', total))
+  redis.call('DECRBY', KEYS[4], kv)
 end
 return 1

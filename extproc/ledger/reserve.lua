@@ -2,12 +2,14 @@
 -- atomic step, so two gateways can never both take the last room.
 --
 -- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
--- KEYS[2]  costs   hash: request id -> cost in ms (the decimal string the gateway sent)
+-- KEYS[2]  costs   hash: request id -> "cost kv" (cost in ms as the gateway sent it, KV tokens)
 -- KEYS[3]  total   string: the pool's outstanding work in ms (sum of costs), kept by these scripts
+-- KEYS[4]  kv      string: the KV tokens the pool's entries hold (sum of kv), kept likewise
 -- ARGV[1]  request id
 -- ARGV[2]  cost, ms (decimal)
 -- ARGV[3]  lease, ms
 -- ARGV[4]  ceiling, ms (decimal), or '' for no check
+-- ARGV[5]  KV tokens (integer)
 -- Returns 1 when recorded or already present (a retried reserve counts once), 0 when refused.
 --
 -- Arithmetic is IEEE double, as in the in-process ledger, and the total is stored with 17
@@ -25,6 +27,7 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 redis.call('ZADD', KEYS[1], string.format('%.17g', now + tonumber(ARGV[3])), id)
-redis.call('HSET', KEYS[2], id, ARGV[2])
+redis.call('HSET', KEYS[2], id, ARGV[2] .. ' ' .. ARGV[5])
 redis.call('SET', KEYS[3], string.format('%.17g', total + cost))
+redis.call('INCRBY', KEYS[4], ARGV[5])
 return 1

@@ -62,6 +62,9 @@ class Attempt(Sequence):
         "key",
         "number",
         "outcome",
+        "predicted_completion_s",
+        "predicted_step_ms",
+        "predicted_ttft_ms",
         "queued_at",
         "released",
         "replica",
@@ -92,6 +95,9 @@ class Attempt(Sequence):
         self.released = False
         self.unavoidable = 0.0  # the admission step's: chance it misses even alone
         self.batch = False  # its class is a batch class
+        self.predicted_ttft_ms = 0.0  # what its admission predicted (its class learns from
+        self.predicted_step_ms = 0.0  # the difference to what happened)
+        self.predicted_completion_s = 0.0
 
     @property
     def good(self) -> bool:

@@ -361,7 +361,7 @@ class Simulation:
         self._sample.arrivals += 1
         pool, config, learning = self.pool, self.config, self.learning
         batch = config.classes[job.service_class].batch
-        learning.arrived(batch, now)
+        learning.arrived(job.service_class, batch, now)
         charged = job.max_tokens or pool.default_max_tokens
         room = self.scenario.engine.max_model_len - job.prompt_tokens
         output = min(job.output_tokens, job.max_tokens or job.output_tokens, max(1, room))
@@ -375,18 +375,22 @@ class Simulation:
             outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
             policy = adm.policy
             service = adm.decision.service_ms if adm.decision is not None else 0.0
+            kv = adm.kv_tokens
         else:
             policy = class_policy(config, job.service_class, job.deadline_ms)
             capacity = capacity_for(pool, len(self.ready), learning)
             decision = self.policy.decide(cost_of(ask, pool, learning), output, snapshot,
                                           capacity, policy, now, self._engine_view(now))
             outcome, retry_ms, unavoidable = decision.outcome, decision.retry_after_ms, 0.0
-            service = decision.service_ms
+            service, kv = decision.service_ms, job.prompt_tokens
         self._keys += 1
         a = Attempt(job, number, now, str(self._keys), output, charged,
                     policy.deadline_ms / 1000.0,
                     None if policy.ttft_ms is None else policy.ttft_ms / 1000.0)
         a.unavoidable, a.batch = unavoidable, batch
+        if self.policy.uses_step and adm.decision is not None:
+            a.predicted_ttft_ms, a.predicted_step_ms = adm.decision.ttft_ms, adm.decision.step_ms
+            a.predicted_completion_s = adm.decision.completion_ms / 1000.0
         if outcome is Outcome.REJECT:
             res.would_reject += 1
         if outcome is Outcome.INVALID:
@@ -422,11 +426,11 @@ class Simulation:
         res.admitted += 1
         self._window.admitted += 1
         self._sample.admitted += 1
-        learning.admitted(job.prompt_tokens)
+        learning.admitted(job.prompt_tokens, batch, a.predicted_completion_s, now)
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
-        self.ledger.reserve(Entry(a.key, pool.name, service, lease_ms))
+        self.ledger.reserve(Entry(a.key, pool.name, service, lease_ms, kv))
         self._inflight.append(a)
         target = self.target()
         assert target is not None
@@ -467,7 +471,8 @@ class Simulation:
         self.ledger.release(a.key, self.pool.name)
         self.learning.settled(a.job.service_class, batch=a.batch,
                               seconds=self.now - a.arrival, deadline_s=a.deadline_s,
-                              completed=completed, unavoidable=a.unavoidable, now=self.now)
+                              completed=completed, unavoidable=a.unavoidable, now=self.now,
+                              ttft_ms=a.predicted_ttft_ms, step_ms=a.predicted_step_ms)
 
     def _retry_or_fail(self, a: Attempt) -> None:
         clients = self.scenario.clients
@@ -612,7 +617,7 @@ class Simulation:
                                         series.ready[-1] + series.starting[-1])
         self._sample = _Window()
         self._sample_latencies = []
-        self.learning.lengths.decay(decay_factor(self.scenario.sample_s))
+        self.learning.decay(decay_factor(self.scenario.sample_s))
         self.ledger.expire()  # the sweeper: drops stale lease records (never a live entry)
         if progress is not None:
             progress(self.now, self.scenario.span_s)
