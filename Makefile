@@ -65,11 +65,12 @@ bench: setup
 bench-memory: setup
 	$(PY) benchmarks/memory.py
 
-# The evaluation matrix (~13 min on 2 cores; extproc/sim/evaluate.py says what it runs), then
-# the autoscaling section, into out/eval/. Arguments through EVAL_ARGS, e.g. EVAL_ARGS=--reduced.
+# The evaluation matrix (~10 min on 2 cores; extproc/sim/evaluate.py says what it runs), then
+# the autoscaling section (~1 min), into out/eval/. Arguments through EVAL_ARGS, e.g.
+# `make eval EVAL_ARGS=--reduced`.
 eval: setup
 	$(VENV)/bin/extproc eval --out out/eval $(EVAL_ARGS)
-	$(VENV)/bin/extproc eval --autoscale --out out/eval
+	$(VENV)/bin/extproc eval --autoscale --seeds 3 --out out/eval
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache

@@ -34,10 +34,12 @@ and attainments stored next to them.
 
 **Cost.** Cells run in worker processes (``spawn``, one per core by default); a cell is one
 process's work, deterministic (the scenario depends only on the cell, the simulator only on
-the scenario). ``--reduced`` runs each family once (load 1.5, seed 0, the 16-slot fleet, runs
-at 0.4 of the usual size). The full matrix (10 families x 3 loads x 3 fleets x 1 seed) takes
-about 13 minutes on the 2-core CI machine; families size their runs for that
-(``families.BUDGET``).
+the scenario). ``--reduced`` runs each family once (load 1.5, seed 0, the 16-slot fleet,
+runs at a quarter of the usual size): about 20 s on 2 cores. The full matrix (10 families x 3
+loads x 3 fleets x 1 seed, 90 cells, ~11 simulations each) took 586 s on the 2-core CI
+machine, 1,170 CPU-seconds: 8b-vllm's cells are 56% of it (its batches are the largest, so
+each request costs the most to simulate), the incident's 27%. Families size their runs for
+that budget (``families.BUDGET``); a second seed doubles it.
 
 **Autoscaling** (``autoscale``, ``extproc eval --autoscale``): the time-varying families
 (``families.TIME_VARYING``) at load 1 on the 16-slot fleet, behind the default admission
@@ -72,7 +74,7 @@ POLICIES = ("naive", "saturation", "default", "oracle", "tuned")
 BASELINES = ("naive", "saturation", "tuned", "oracle")  # default/X ratios, in this order
 TUNED_SHARE = 0.95  # default must reach this share of tuned's goodput
 ATTAINMENT = 0.99
-REDUCED_LOAD, REDUCED_FLEET, REDUCED_SIZE = 1.5, "70b-16", 0.4
+REDUCED_LOAD, REDUCED_FLEET, REDUCED_SIZE = 1.5, "70b-16", 0.25
 AUTOSCALE_LOAD, AUTOSCALE_FLEET, AUTOSCALE_SIZE = 1.0, "70b-16", 3.0
 AUTOSCALE_PROVISIONING_S = 180.0  # a replica whose weights are cached on its node
 
@@ -158,7 +160,7 @@ def run_cell(cell: Cell, policies: Sequence[str] = POLICIES) -> Record:
     record: Record = {
         "cell": cell.key, "family": cell.family, "fleet": cell.fleet, "load": cell.load,
         "seed": cell.seed, "size": cell.size, "params": drawn.params, "jobs": len(sc.jobs),
-        "span_s": round(sc.span_s, 1), "description": sc.description, "policies": results,
+        "span_s": round(sc.span_s, 3), "description": sc.description, "policies": results,
     }
     if "tuned" in policies:
         upper = upper_limit(sc)
@@ -354,12 +356,9 @@ class _Job:
     cell: Cell
     policies: tuple[str, ...]
 
-    def __call__(self) -> Record:
-        return run_cell(self.cell, self.policies)
-
 
 def _run_job(job: _Job) -> Record:
-    return job()
+    return run_cell(job.cell, job.policies)
 
 
 def matrix(todo: Sequence[Cell], policies: Sequence[str] = POLICIES, *, workers: int = 0,

@@ -19,7 +19,7 @@ trace families replay a window of the trace at ``load x capacity`` (``scenarios.
 policy on any fleet: each family draws a nominal length (minutes), and a fleet that would see
 more than ``BUDGET`` requests at load 1 in that time gets a shorter run, its timeline (spike
 start and length, ramp, provisioning delay) compressed with it, never under ``FLOOR_S``.
-``size`` scales the budget (``--reduced`` runs at 0.4).
+``size`` scales the budget (``--reduced`` runs at 0.25).
 
 **Service classes.** Each family sets its own, with the product's safety factor (0.8 for the
 ``latency`` class, 0.9 for ``throughput``, ``config.DEFAULT_CLASSES``). The chat families draw

@@ -241,7 +241,10 @@ def heatmap(rows: Sequence[str], columns: Sequence[str],
     for i, row in enumerate(values):
         for j, v in enumerate(row):
             text = "-" if v is None or math.isnan(v) else format(v, formats[j])
-            ax.text(j, i, text, ha="center", va="center", fontsize=7)
+            r, g, b, _ = colours[i][j]
+            dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.45
+            ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                    color="white" if dark else "black")
     ax.set_xticks(range(len(columns)), list(columns), fontsize=8)
     ax.xaxis.tick_top()
     ax.set_yticks(range(len(rows)), list(rows), fontsize=7, family="monospace")
