@@ -36,7 +36,8 @@ The families (ranges are per seed, ``U(a, b)`` uniform):
   sigma U(0.5, 0.8), ``max_tokens`` 1024. Deadline U(90, 150) s, TTFT U(10, 30) s, streaming,
   timeout U(1, 2) x deadline. Poisson; nominal U(8, 12) min.
 - ``flash-crowd``: chat lengths (below); base U(0.4, 0.8) x load, a step to U(4, 8) x load at
-  U(25, 45)% of the run for U(90, 150) s, then back. Nominal U(8, 10) min.
+  U(25, 45)% of the run for U(90, 150) s (compressed with the run), then back. Nominal
+  U(8, 10) min.
 - ``diurnal``: chat lengths, ``max_tokens`` 1024; linear ramps from U(0.2, 0.4) x load to a peak
   of U(1.8, 3.2) x load at U(35, 65)% of the run, and back down. Nominal U(10, 15) min.
 - ``bimodal``: chat prompts; outputs a mixture: a share U(0.7, 0.9) with median U(10, 30)
@@ -84,7 +85,7 @@ import dataclasses
 import functools
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -179,12 +180,13 @@ def _chat_class(d: _Draws) -> dict[str, Any]:
                         "ttft_ms": 1000 * d.uniform("ttft_s", 1.5, 3.0), "safety_factor": 0.8}}
 
 
-def _span(d: _Draws, fleet_rps: float, low_min: float, high_min: float, size: float,
-          budget: float = BUDGET, floor_s: float = FLOOR_S) -> tuple[float, float]:
-    """(nominal, actual) run length in seconds: the drawn nominal, shortened to ``budget x
-    size`` requests at 1x capacity (module docstring)."""
+def _span(d: _Draws, rate: float, low_min: float, high_min: float, size: float) -> tuple[
+        float, float]:
+    """(nominal, actual) run length in seconds: the drawn nominal, shortened to hold at most
+    ``BUDGET x size`` requests at ``rate`` (the family's mean rate at load 1), never under
+    ``FLOOR_S`` (module docstring)."""
     nominal = 60.0 * d.uniform("nominal_min", low_min, high_min)
-    actual = min(nominal, max(floor_s * min(1.0, size), budget * size / max(fleet_rps, 1e-9)))
+    actual = min(nominal, max(FLOOR_S * min(1.0, size), BUDGET * size / max(rate, 1e-9)))
     d.params["span_s"] = round(actual, 1)
     return nominal, actual
 
@@ -507,6 +509,3 @@ def draw(name: str, seed: int, load: float, fleet: str | Fleet, size: float = 1.
     shape = FLEETS[fleet] if isinstance(fleet, str) else fleet
     return family(seed, load, shape, size)
 
-
-def names(only: Callable[[str], bool] | None = None) -> list[str]:
-    return [n for n in FAMILIES if only is None or only(n)]
