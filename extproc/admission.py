@@ -30,6 +30,10 @@ and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context
     position p = n + 1 - R x S                             its place in the engines' queues
     wait       = 0                        if p <= 0       (a slot is free: it starts now)
                = q_w(ceil(p / R)) x W / n otherwise
+               + (U / R) / (budget - b) x chunk_step       the prompts admitted before it and
+                                                          not prefilled yet, ``U`` tokens,
+                                                          go first: a step prefills the
+                                                          token budget less its decodes
     ttft       = wait + prefill(P) + chunks(P) x itl(b, C̄) its prompt, in chunks beside the
                                                           decodes
     completion = ttft + L x step
@@ -45,11 +49,19 @@ release. Releases are irregular, so the wait is the ``wait_quantile`` of the tim
 with the batch and the context its sequences read (the engine's roofline), and in a busy
 replica every step also carries a share of the prefill of the sequences joining: in steady
 state one sequence in ``Ō`` finishes each step and its successor's prompt is prefilled.
+Prompts arrive in bursts: a crowd's prompts are prefilled in FCFS chunks of the token budget,
+so a request admitted right after them waits for theirs before its own; the gateway keeps
+that backlog (``U``: prompt tokens admitted, drained at the fleet's prefill rate;
+``extproc.learning.Backlog``), or first tokens in a burst come late.
 The KV cache bounds the batch before ``max_num_seqs`` does when contexts are long: a replica
 holds ``kv_tokens / f`` sequences at their typical final length, and past that vLLM preempts
 (by recomputation: work lost). Counting what the ledger holds, not the mix, matters when
 prompts are heavy-tailed: a few 100k-token documents fill a replica that a mean would call
-a quarter full.
+a quarter full. And a request never waits in an engine's queue for memory (``KV_CACHE``):
+vLLM takes a waiting request in as soon as its first chunk's blocks are free, and when the
+batch's sequences then grow into the blocks it took, it preempts the newest and recomputes
+it later; a queue that waits for memory makes the engine thrash. Queueing is for slots
+(``max_num_seqs``), where a waiting request holds nothing.
 
 Charge the typical, promise a quantile. The fleet is charged what requests will probably cost
 (charging ``max_tokens`` in full makes a busy fleet look several times busier than it is); a
@@ -113,6 +125,7 @@ class Reason(StrEnum):
     DEADLINE = "deadline"  # predicted completion past the deadline budget
     TTFT = "ttft"  # predicted first token past the TTFT budget
     NO_CAPACITY = "no_capacity"  # no ready replica, or no free slot for a batch request
+    KV_CACHE = "kv_cache"  # it would wait for KV memory, not a slot (docstring)
     INFEASIBLE = "infeasible"  # would miss even on an idle fleet
     CONTEXT_LENGTH = "context_length"  # longer than the model's context (the engine's 400)
     UNMANAGED = "unmanaged"  # no pool serves this model
@@ -150,6 +163,7 @@ class Snapshot:
     inflight: int
     outstanding_ms: float
     kv_tokens: int = 0  # the KV cache its requests will hold (prompt + typical output each)
+    prefill_tokens: float = 0.0  # prompt tokens admitted and not prefilled yet (docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +219,19 @@ class Capacity:
         mix, e = self.mix, self.engine
         joining = batch / max(mix.output_tokens, 1.0)
         return e.itl_ms(batch, mix.context) + joining * e.prefill_ms(mix.prompt_tokens)
+
+    def backlog_ms(self, tokens: float, batch: float) -> float:
+        """How long a replica takes to prefill its share of ``tokens`` waiting ahead: each
+        step takes ``max_num_batched_tokens`` less its decodes of them."""
+        if tokens <= 0 or self.replicas <= 0:
+            return 0.0
+        return tokens / self.replicas / self.batch_tokens_per_ms(batch)
+
+    def batch_tokens_per_ms(self, batch: float = 0.0) -> float:
+        """Prompt tokens one replica prefills a millisecond when every step is full."""
+        e = self.engine
+        per_step = max(1.0, e.max_num_batched_tokens - batch)
+        return per_step / e.step_ms(e.max_num_batched_tokens, round(batch), 0, 0.0)
 
     def prefill_ms(self, prompt: float, batch: float) -> float:
         """Time to a first token for ``prompt`` tokens prefilled beside ``batch`` decodes."""
@@ -299,10 +326,19 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     per_replica = capacity.batch_with(snapshot, cost)
     batch = min(float(per_replica), (n + 1) / replicas)
     position = n + 1 - replicas * per_replica
+    if position > 0 and per_replica < capacity.engine.max_num_seqs:
+        # The batch is bound by KV memory, not by slots: it would wait for memory (docstring).
+        slot_ms = mean_ms / max(per_replica, 1)
+        return Decision(Outcome.REJECT, Reason.KV_CACHE, charge, 0.0, idle_ttft, idle_done,
+                        budget, now + idle_done / 1000.0,
+                        retry_after_ms=max(slot_ms, position * slot_ms / replicas),
+                        position=position, step_ms=capacity.step_ms(batch))
     if position > 0:
         wait_ms = release_quantile(math.ceil(position / replicas), capacity.wait_z) * mean_ms
     else:
         wait_ms = 0.0
+    # the prompts admitted just before it are prefilled first (FCFS chunks)
+    wait_ms += capacity.backlog_ms(snapshot.prefill_tokens, batch)
     ttft_ms = wait_ms + capacity.prefill_ms(cost.prompt_tokens, batch)
     # A promise longer than the request could produce alone within its budget is capped there:
     # it then fits an idle replica, never a busy one (docstring).

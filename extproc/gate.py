@@ -309,11 +309,12 @@ class Gate:
         stats = self.engines.get(pool.name)
         engines = stats.latest(pool.name) if stats is not None else None  # once per decision
         pool = self._as_reported(pool, engines)
-        self.learning[pool.name].arrived(cls, self.config.classes[cls].batch, self._clock())
         try:
             ask, uncounted = await self._ask(request, pool, cls, deadline, replicas, engines)
         except RequestError as exc:
             return self._refuse(exc, pool.name, cls)
+        self.learning[pool.name].arrived(cls, self.config.classes[cls].batch, self._clock(),
+                                         ask.prompt_tokens)
         started = time.perf_counter()
         verdict = await self._admit(pool, ask, replicas, engines)
         if (uncounted is not None and verdict.ticket is not None
@@ -584,8 +585,9 @@ class Gate:
         view.kv_tokens += entry.kv_tokens
         self.metrics.inflight(entry.pool, +1)
         self.learning[entry.pool].admitted(
-            adm.cost.prompt_tokens, adm.policy.batch,
-            adm.decision.completion_ms / 1000.0 if adm.decision else 0.0, self._clock())
+            adm.service_class, adm.cost.prompt_tokens, batch=adm.policy.batch,
+            expected_s=adm.decision.completion_ms / 1000.0 if adm.decision else 0.0,
+            now=self._clock(), prefill_rate=adm.prefill_rate)
         return ticket
 
     async def _renew(self, ticket: Ticket) -> None:

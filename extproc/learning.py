@@ -54,8 +54,15 @@ histogram. A class's own lengths start from the pool's configured prior, not fro
 mixed histogram (which would promise a chat request a summary's length, refuse it, and never
 learn otherwise). The promise's feedback corrects whatever bias the estimate keeps.
 
-**The mix.** The mean prompt of admitted requests (decayed) and the mean output: the context
-a decode reads and the prefill that joins a busy batch (``extproc.admission.Mix``).
+**The mix.** The mean prompt of the requests that ask (decayed) and the mean output: the
+context a decode reads and the prefill that joins a busy batch (``extproc.admission.Mix``).
+
+**The prefill backlog** (``Backlog``): the prompt tokens this gateway admitted that the
+engines have not prefilled yet, a fluid estimate (each admission adds its prompt; the level
+drains at the fleet's prefill rate, the token budget a step, ``Capacity.backlog_ms``), so a
+request admitted in a burst is told it waits for the prompts ahead of it. Each gateway
+replica sees only its own admissions: behind several gateways the backlog is the fraction
+that one admitted, and a burst's first tokens are predicted that much too early.
 """
 
 from __future__ import annotations
@@ -107,6 +114,25 @@ class Promise:
 
 
 @dataclass
+class Backlog:
+    """Prompt tokens admitted and not prefilled yet (module docstring)."""
+
+    tokens: float = 0.0
+    at: float = 0.0
+
+    def level(self, now: float, tokens_per_s: float) -> float:
+        """The backlog now, drained at ``tokens_per_s`` since the last call."""
+        if now > self.at:
+            self.tokens = max(0.0, self.tokens - (now - self.at) * tokens_per_s)
+            self.at = now
+        return self.tokens
+
+    def add(self, tokens: float, now: float, tokens_per_s: float) -> None:
+        self.level(now, tokens_per_s)
+        self.tokens += tokens
+
+
+@dataclass
 class Demand:
     """Interactive demand: arrivals per second and mean seconds in flight, decayed."""
 
@@ -155,8 +181,10 @@ class PoolLearning:
         self._asked: dict[str, float] = {}  # requests per class, decayed like the lengths
         self.promises: dict[str, Promise] = {}
         self.demand = Demand()
-        self._prompt = self.lengths.prior.mean * 4.0  # until the first admission
+        self._prompt = self.lengths.prior.mean * 4.0  # until the first request
         self._prompts = 0
+        self.inflight: dict[str, int] = {}  # this gateway's requests per class, running now
+        self.backlog = Backlog()
 
     def promise(self, service_class: str) -> Promise:
         promise = self.promises.get(service_class)
@@ -196,22 +224,29 @@ class PoolLearning:
     def mix(self) -> Mix:
         return Mix(prompt_tokens=self._prompt, output_tokens=max(1.0, self.lengths.mean()))
 
-    def arrived(self, service_class: str, batch: bool, now: float) -> None:
+    def arrived(self, service_class: str, batch: bool, now: float,
+                prompt_tokens: int | None = None) -> None:
         """A request asked (admitted or not): it is demand, for the batch classes' reserve if
-        its class is interactive, and it counts its class as served."""
+        its class is interactive; it counts its class as served; its prompt is the traffic's
+        (the mix is what asks, not what was let in: a mix of what was let in would follow
+        the decisions it feeds)."""
         self._asked[service_class] = self._asked.get(service_class, 0.0) + 1.0
         if not batch:
             self.demand.arrived(now)
+        if prompt_tokens is not None:
+            self._prompts += 1
+            w = max(MIX_WEIGHT, 1.0 / self._prompts)
+            self._prompt += w * (prompt_tokens - self._prompt)
 
-    def admitted(self, prompt_tokens: int, batch: bool = False, expected_s: float = 0.0,
-                 now: float = 0.0) -> None:
-        """A request runs; ``expected_s``: its predicted time in flight, which stands for the
+    def admitted(self, service_class: str, prompt_tokens: int, *, batch: bool = False,
+                 expected_s: float = 0.0, now: float = 0.0, prefill_rate: float = 0.0) -> None:
+        """A request runs: its prompt joins the prefill backlog (drained at ``prefill_rate``
+        tokens a second); ``expected_s``, its predicted time in flight, stands for the
         interactive classes' measured time until one of their requests has ended."""
         if not batch and expected_s > 0 and not self.demand.measured:
             self.demand.served(expected_s, now)
-        self._prompts += 1
-        w = max(MIX_WEIGHT, 1.0 / self._prompts)
-        self._prompt += w * (prompt_tokens - self._prompt)
+        self.inflight[service_class] = self.inflight.get(service_class, 0) + 1
+        self.backlog.add(prompt_tokens, now, prefill_rate)
 
     def settled(self, service_class: str, *, batch: bool, seconds: float, deadline_s: float,
                 completed: bool, unavoidable: float, now: float, ttft_ms: float = 0.0,
@@ -220,6 +255,7 @@ class PoolLearning:
         cancelled. Past its deadline it is a miss; a completion within it a hit; a stream
         cancelled in time says nothing about the promise. ``ttft_ms`` and ``step_ms``: what
         its decision predicted (its class's lengths learn from them; 0: nothing to learn)."""
+        self.inflight[service_class] = max(0, self.inflight.get(service_class, 0) - 1)
         missed = seconds > deadline_s
         if missed or completed:
             self.promise(service_class).settled(missed, unavoidable)

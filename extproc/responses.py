@@ -35,7 +35,8 @@ _OVERLOAD_MESSAGES = {
     " deadline.",
     Reason.TTFT: "The model is at capacity: this request would not start within its"
     " time-to-first-token objective.",
-    Reason.NO_CAPACITY: "The model has no ready replicas.",
+    Reason.NO_CAPACITY: "The model has no room for this request now.",
+    Reason.KV_CACHE: "The model's KV cache is full: this request would wait for memory.",
     Reason.LEDGER_UNAVAILABLE: "Admission control is unavailable.",
     Reason.PROCESSOR_OVERLOADED: "The gateway is at capacity.",
 }

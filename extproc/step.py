@@ -17,16 +17,18 @@ What becomes of a request, beyond ``decide``:
   answers it, but at once instead of after a wait in the engine's queue;
 - **its cost**: charged ``(max_tokens or the pool default) x choices``, typically the mean of
   its class's learned lengths (capped there), promised their ``q``-quantile, ``q`` the class's
-  promise (``extproc.learning``); until the lengths hold ``PRIOR_SAMPLES`` observed outputs
-  the promise is the typical length (optimistic until measured: a prior's tail alone could
-  refuse every request of a class whose answers are shorter than assumed, and teach nothing);
+  promise (``extproc.learning``); until the lengths hold ``PRIOR_SAMPLES`` observed outputs,
+  the first ``PRIOR_SAMPLES`` requests in flight are promised the typical length (optimistic
+  until measured, for a few: a prior's tail alone could refuse every request of a class whose
+  answers are shorter than assumed, and teach nothing);
 - **infeasible** (its typical length would miss its deadline even on an idle replica):
   - if the client's deadline header made it so: 400 ``deadline_infeasible`` (a client-tightened
     deadline can get a request refused, never let it through unmanaged);
   - with ``infeasible: reject``: 400 ``deadline_infeasible``;
-  - with ``infeasible: pass`` (the default): it runs if a slot is free now (recorded in the
-    ledger like any request), and otherwise gets a 429: it never waits in a queue in front of
-    admitted work, and never takes a batch class's place beyond the interactive reserve.
+  - with ``infeasible: pass`` (the default): it runs if a slot is free now and a typical
+    interactive request after it would still be admitted (as for batch work, below; recorded
+    in the ledger like any request), and otherwise gets a 429: it never waits in a queue in
+    front of admitted work, nor slows the interactive classes past their objectives.
 - **batch work** (a class with ``batch: true``) is admitted only into a free slot beyond the
   interactive classes' reserve (their measured demand in flight, ``extproc.learning.Demand``),
   and only if a typical request of each interactive class the pool serves, arriving after it
@@ -89,6 +91,7 @@ class Admission:
     lease_ms: float = 0.0  # when the request runs: its ledger entry's lease
     ceiling_ms: float | None = None  # ... and the reserve's atomic check (None: no check)
     unavoidable: float = 0.0  # chance it misses even alone (the promise's feedback)
+    prefill_rate: float = 0.0  # the fleet's prompt tokens a second (``PoolLearning.admitted``)
 
     @property
     def kv_tokens(self) -> int:
@@ -123,9 +126,12 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
     typical = lengths.mean(charged)
     if ask.known_output_tokens is not None:
         promised = float(ask.known_output_tokens)
-    elif lengths.seen < PRIOR_SAMPLES:
-        # Optimistic until measured: a quantile of a prior alone could refuse every request
-        # of a class whose answers are shorter than assumed, and then nothing is learned.
+    elif (lengths.seen < PRIOR_SAMPLES
+          and learning.inflight.get(ask.service_class, 0) < PRIOR_SAMPLES):
+        # Optimistic until measured, for a few: a quantile of a prior alone could refuse every
+        # request of a class whose answers are shorter than assumed, and then nothing is
+        # learned; promising everyone the typical length would fill a cold fleet far past its
+        # objectives before the first answer ends.
         promised = typical
     else:
         promised = lengths.quantile(learning.promise(ask.service_class).quantile)
@@ -137,6 +143,13 @@ def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
     """What ``decide`` sees of the pool: its replicas, their engine, the learned mix."""
     return Capacity(replicas=replicas, engine=pool.engine, mix=learning.mix(),
                     wait_quantile=pool.wait_quantile, reserved=reserved)
+
+
+def prefill_rate(capacity: Capacity) -> float:
+    """Prompt tokens the fleet prefills a second, steps full of chunks (``Backlog``)."""
+    if capacity.replicas <= 0:
+        return 0.0
+    return 1000.0 * capacity.replicas * capacity.batch_tokens_per_ms()
 
 
 def charge_of(ask: Ask, pool: Pool, learning: PoolLearning, replicas: int) -> float:
@@ -167,7 +180,10 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
 
     capacity = capacity_for(pool, replicas, learning,
                             learning.demand.reserve(now) if policy.batch else 0.0)
-    decision = decide(cost, correction.apply(snapshot), capacity, policy, now)
+    rate = prefill_rate(capacity)  # the backlog's drain
+    snapshot = dataclasses.replace(correction.apply(snapshot),
+                                   prefill_tokens=learning.backlog.level(now, rate))
+    decision = decide(cost, snapshot, capacity, policy, now)
     outcome, reason = decision.outcome, decision.reason
     error: RequestError | None = None
     if reason is Reason.INFEASIBLE:
@@ -184,11 +200,12 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
             decision = dataclasses.replace(decision, outcome=Outcome.REJECT,
                                            retry_after_ms=max(slot_ms, 1.0))
             outcome = Outcome.REJECT
-    if outcome is Outcome.ADMIT and policy.batch:
+    if (outcome is Outcome.ADMIT and policy.batch) or outcome is Outcome.PASS:
         crowded = _crowds_out(ask, cost, decision, pool, config, learning, snapshot, capacity,
                               now)
         if crowded is not None:
-            decision, outcome, reason = crowded, crowded.outcome, crowded.reason
+            decision, outcome = crowded, crowded.outcome
+            reason = reason if reason is Reason.INFEASIBLE else crowded.reason
     runs = outcome in (Outcome.ADMIT, Outcome.PASS)
     ceiling = decision.ceiling_ms
     if ceiling is not None:
@@ -197,18 +214,21 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         outcome, reason, ask.service_class, policy, cost, decision, error,
         lease_ms=decision.completion_ms + config.ledger.lease_grace_ms if runs else 0.0,
         ceiling_ms=ceiling if outcome is Outcome.ADMIT else None,
-        unavoidable=unavoidable(cost, capacity, policy, learning, ask.service_class)
-        if runs else 0.0)
+        unavoidable=(1.0 if outcome is Outcome.PASS  # infeasible: it misses, whatever load
+                     else unavoidable(cost, capacity, policy, learning, ask.service_class)
+                     if runs else 0.0),
+        prefill_rate=rate)
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,
                 learning: PoolLearning, snapshot: Snapshot, capacity: Capacity,
                 now: float) -> Decision | None:
-    """A batch request is admitted only if the interactive classes' own requests would still
-    be: for each interactive class the pool serves, a request of its typical size arriving
-    after this one and after the reserve (its measured demand in flight) must pass its own
-    decision. Otherwise the batch request is refused (``NO_CAPACITY``): the room is the
-    interactive classes'. Returns the refusal, or None."""
+    """A batch request (or an infeasible one passed) is admitted only if the interactive
+    classes' own requests would still be: for each interactive class the pool serves, a
+    request of its typical size arriving after this one (its prompt prefilled first) and after
+    the reserve (its measured demand in flight) must pass its own decision. Otherwise it is
+    refused (``NO_CAPACITY``): the room is the interactive classes'. Returns the refusal, or
+    None."""
     n = snapshot.inflight
     reserve = math.ceil(capacity.reserved)
     mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
@@ -216,13 +236,14 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Co
     after = Snapshot(n + 1 + reserve,
                      snapshot.outstanding_ms + decision.service_ms + reserve * mean_ms,
                      round(snapshot.kv_tokens + cost.prompt_tokens + cost.typical
-                           + reserve * mean_kv))
+                           + reserve * mean_kv),
+                     snapshot.prefill_tokens + cost.prompt_tokens)
     plain = dataclasses.replace(capacity, reserved=0.0)
     prompt = round(capacity.mix.prompt_tokens)
     for other in learning.interactive_classes(config):
         probe = cost_of(Ask(other, prompt, None), pool, learning)
         seen = decide(probe, after, plain, class_policy(config, other, None), now)
-        if not seen.admitted:
+        if not seen.admitted and seen.reason is not Reason.INFEASIBLE:  # (ours to prevent)
             return dataclasses.replace(decision, outcome=Outcome.REJECT,
                                        reason=Reason.NO_CAPACITY, ceiling_ms=None,
                                        retry_after_ms=max(mean_ms / max(plain.batch, 1), 1.0))

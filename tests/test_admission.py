@@ -149,9 +149,32 @@ def test_a_promise_longer_than_fits_alone_still_fits_an_idle_replica() -> None:
 def test_the_kv_cache_bounds_the_batch_before_max_num_seqs_does() -> None:
     kv = dataclasses.replace(ENGINE, max_num_seqs=64, num_gpu_blocks=50)  # 800 tokens
     cap = Capacity(replicas=1, engine=kv, mix=Mix(prompt_tokens=150.0, output_tokens=50.0))
-    assert cap.batch == 4  # 800 / (150 + 50)
-    d = decide(Cost(150, 50, 50.0, 50.0), Snapshot(4, 4 * 100.0), cap, LONG, now=0.0)
-    assert d.position == 1 and d.wait_ms > 0  # the fifth waits for a sequence to leave
+    cost = Cost(150, 50, 50.0, 50.0)
+    assert cap.batch_with(Snapshot(3, 300.0, 3 * 200), cost) == 4  # 800 / 200
+    fits = decide(cost, Snapshot(3, 300.0, 3 * 200), cap, LONG, now=0.0)
+    assert fits.admitted and fits.position == 0
+    # a fifth would wait for memory, not for a slot: refused, never queued (the engine
+    # would take it in on its first chunk and preempt when the batch grows)
+    full = decide(cost, Snapshot(4, 400.0, 4 * 200), cap, LONG, now=0.0)
+    assert (full.outcome, full.reason, full.position) == (Outcome.REJECT, Reason.KV_CACHE, 1)
+    assert full.retry_after_ms is not None and full.retry_after_ms > 0
+    # a few huge documents fill the cache that a mean of small ones would call empty
+    big = Snapshot(2, 200.0, 2 * 390)
+    assert cap.batch_with(big, cost) == 2
+    assert decide(cost, big, cap, LONG, now=0.0).reason is Reason.KV_CACHE
+    # sequences wait for a slot (max_num_seqs), never for memory
+    slots = Capacity(replicas=1, engine=dataclasses.replace(kv, max_num_seqs=2), mix=MIX)
+    queued = decide(cost, Snapshot(2, 200.0, 2 * 200), slots, LONG, now=0.0)
+    assert queued.admitted and queued.position == 1 and queued.wait_ms > 0
+
+
+def test_a_burst_of_prompts_not_prefilled_yet_delays_the_first_token() -> None:
+    quiet = decide(Cost(100, 100, 50.0, 80.0), Snapshot(2, 200.0), CAP, LATENCY, now=0.0)
+    burst = decide(Cost(100, 100, 50.0, 80.0), Snapshot(2, 200.0, 0, 5_000.0), CAP, LATENCY,
+                   now=0.0)
+    # 5,000 tokens over 2 replicas, 512 - 1.5 tokens a step of 20 + 512 x 0.1 + 1.5 x ... ms
+    assert burst.ttft_ms - quiet.ttft_ms == pytest.approx(CAP.backlog_ms(5_000.0, 1.5))
+    assert CAP.backlog_ms(5_000.0, 1.5) > 300
 
 
 def test_prefill_joining_a_busy_batch_stretches_its_steps() -> None:

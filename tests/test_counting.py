@@ -132,6 +132,9 @@ async def test_a_long_cold_prompt_is_decided_on_an_estimate_and_the_ledger_made_
     # The same prompt again is all cached: counted exactly, at once.
     again = await gate.check(route, "/v1/chat/completions", {}, chat(text))
     assert again.ticket is not None and again.ticket.correction is None
+    # (the pool's mix learned from the first request since: the same charge rule, today's mix)
+    exact = charge_of(Ask("latency", exact_prompt, request.max_tokens), pool,
+                      gate.learning["llama"], 1)
     assert again.ticket.cost_ms == pytest.approx(exact, rel=1e-12)
     assert metrics.prompt_counts.labels("llama", "cached")._value.get() == 1
     await gate.settle(again.ticket)

@@ -94,8 +94,8 @@ def test_demand_is_littles_law_plus_two_deviations() -> None:
 
 def test_a_pool_learns_its_mix_and_feeds_its_promises_per_class() -> None:
     learning = PoolLearning()
-    for _ in range(500):
-        learning.admitted(2000)
+    for t in range(500):
+        learning.arrived("latency", False, float(t), 2000)  # the mix is what asks
         learning.lengths.observe(30)
     mix = learning.mix()
     assert mix.prompt_tokens == pytest.approx(2000, rel=0.01)

@@ -124,7 +124,7 @@ def test_batch_work_is_refused_when_it_would_crowd_out_interactive_requests() ->
     # The interactive class is served (it asked), and a batch request would push the batch to
     # where a typical interactive request no longer fits its budget: refused, though a slot
     # is free. On a quiet fleet the same batch request is admitted.
-    tight = settings(classes={"latency": {"deadline_ms": 2_500, "ttft_ms": 500},
+    tight = settings(classes={"latency": {"deadline_ms": 2_600, "ttft_ms": 500},
                               "throughput": {"deadline_ms": 600_000, "batch": True}})
     learning = learning_for(POOL)
     for t in range(20):

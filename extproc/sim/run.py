@@ -218,6 +218,7 @@ class Simulation:
         self._marks: dict[int, tuple[float, float, float]] = {}  # replica -> integrals seen
         self._pending_sends = 0
         self._view = EngineView()
+        self._prefill_rate = 0.0  # the last step decision's (the backlog's drain)
         self._view_at = -INF
         # Every client waits the same timeout, so timeouts come due in the order they were
         # set: a FIFO instead of the heap (stale ones, for finished attempts, are skipped).
@@ -361,7 +362,7 @@ class Simulation:
         self._sample.arrivals += 1
         pool, config, learning = self.pool, self.config, self.learning
         batch = config.classes[job.service_class].batch
-        learning.arrived(job.service_class, batch, now)
+        learning.arrived(job.service_class, batch, now, job.prompt_tokens)
         charged = job.max_tokens or pool.default_max_tokens
         room = self.scenario.engine.max_model_len - job.prompt_tokens
         output = min(job.output_tokens, job.max_tokens or job.output_tokens, max(1, room))
@@ -391,6 +392,7 @@ class Simulation:
         if self.policy.uses_step and adm.decision is not None:
             a.predicted_ttft_ms, a.predicted_step_ms = adm.decision.ttft_ms, adm.decision.step_ms
             a.predicted_completion_s = adm.decision.completion_ms / 1000.0
+            self._prefill_rate = adm.prefill_rate
         if outcome is Outcome.REJECT:
             res.would_reject += 1
         if outcome is Outcome.INVALID:
@@ -426,7 +428,9 @@ class Simulation:
         res.admitted += 1
         self._window.admitted += 1
         self._sample.admitted += 1
-        learning.admitted(job.prompt_tokens, batch, a.predicted_completion_s, now)
+        learning.admitted(job.service_class, job.prompt_tokens, batch=batch,
+                          expected_s=a.predicted_completion_s, now=now,
+                          prefill_rate=self._prefill_rate)
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
