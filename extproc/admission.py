@@ -16,12 +16,12 @@ the pool's learned output-length distribution (``extproc.lengths``):
 
 and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context ``C̄ = P̄ + Ō /
 2``). With ``n`` requests in flight, ``W`` ms of work outstanding and ``K`` KV tokens held
-(each entry's prompt and typical output: the ledger's snapshot):
+(each entry's footprint ``Cost.kv``: the ledger's snapshot):
 
     slots    S = min(max_num_seqs, kv_tokens / f)           a replica's batch: its sequence
                                                           limit, or what its KV cache holds
                                                           of sequences of the mean footprint
-                                                          ``f = (K + P + o) / (n + 1)`` of
+                                                          ``f = (K + kv) / (n + 1)`` of
                                                           those in flight and this one
     batch    b = min(S, (n + 1) / R)                       running sequences per replica
     step       = itl(b, C̄) + (b / Ō) x prefill(P̄)          a decode step, plus the prefill of
@@ -54,8 +54,11 @@ so a request admitted right after them waits for theirs before its own; the gate
 that backlog (``U``: prompt tokens admitted, drained at the fleet's prefill rate;
 ``extproc.learning.Backlog``), or first tokens in a burst come late.
 The KV cache bounds the batch before ``max_num_seqs`` does when contexts are long: a replica
-holds ``kv_tokens / f`` sequences at their typical final length, and past that vLLM preempts
-(by recomputation: work lost). Counting what the ledger holds, not the mix, matters when
+holds ``kv_tokens / f`` sequences, and past that vLLM preempts (by recomputation: work lost).
+A sequence's footprint is its prompt and the larger of its typical output and the mean
+output a request *in flight* holds, ``E[o^2] / 2E[o]`` (``Cost.kv``): requests in flight are
+the long ones more often than arrivals are, so with heavy-tailed outputs (most answers a few
+tokens, one in five a thousand) the batch holds far more than arrivals' mean suggests. Counting what the ledger holds, not the mix, matters when
 prompts are heavy-tailed: a few 100k-token documents fill a replica that a mean would call
 a quarter full. And a request never waits in an engine's queue for memory (``KV_CACHE``):
 vLLM takes a waiting request in as soon as its first chunk's blocks are free, and when the
@@ -144,6 +147,15 @@ class Cost:
     output_tokens: int  # charged: max_tokens (or the pool's default) x choices, the most
     typical_tokens: float | None = None  # ``o``; None: output_tokens (nothing known)
     promised_tokens: float | None = None  # ``L``; None: output_tokens
+    held_tokens: float | None = None  # output in the KV cache while in flight; None: typical
+
+    @property
+    def kv(self) -> float:
+        """The KV tokens it holds: its prompt and the larger of its typical output and what a
+        request in flight holds of its output (``Lengths.held``; docstring)."""
+        held = self.typical if self.held_tokens is None else min(self.held_tokens,
+                                                                  self.output_tokens)
+        return self.prompt_tokens + max(self.typical, held)
 
     @property
     def typical(self) -> float:
@@ -162,7 +174,7 @@ class Snapshot:
 
     inflight: int
     outstanding_ms: float
-    kv_tokens: int = 0  # the KV cache its requests will hold (prompt + typical output each)
+    kv_tokens: int = 0  # the KV cache its requests hold (``Cost.kv`` each)
     prefill_tokens: float = 0.0  # prompt tokens admitted and not prefilled yet (docstring)
 
 
@@ -207,7 +219,7 @@ class Capacity:
         n, held = snapshot.inflight, snapshot.kv_tokens
         if n and not held:  # a ledger that does not keep KV tokens: the learned mix
             held = round(n * (self.mix.prompt_tokens + self.mix.output_tokens))
-        footprint = (held + cost.prompt_tokens + cost.typical) / (n + 1)
+        footprint = (held + cost.kv) / (n + 1)
         return max(1, min(e.max_num_seqs, int(e.kv_tokens / footprint)))
 
     @property

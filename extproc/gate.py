@@ -587,7 +587,8 @@ class Gate:
         self.learning[entry.pool].admitted(
             adm.service_class, adm.cost.prompt_tokens, batch=adm.policy.batch,
             expected_s=adm.decision.completion_ms / 1000.0 if adm.decision else 0.0,
-            now=self._clock(), prefill_rate=adm.prefill_rate)
+            now=self._clock(), prefill_rate=adm.prefill_rate, key=ticket.request_id,
+            ttft_ms=ticket.ttft_ms, step_ms=ticket.step_ms)
         return ticket
 
     async def _renew(self, ticket: Ticket) -> None:
@@ -617,7 +618,7 @@ class Gate:
         self.learning[ticket.pool].settled(
             ticket.service_class, batch=ticket.batch, seconds=now - ticket.started,
             deadline_s=ticket.deadline_s, completed=completed, unavoidable=ticket.unavoidable,
-            now=now, ttft_ms=ticket.ttft_ms, step_ms=ticket.step_ms)
+            now=now, ttft_ms=ticket.ttft_ms, step_ms=ticket.step_ms, key=ticket.request_id)
         if self.control is not None:
             self.control.settled(ticket, completed)
         if ticket.renewer is not None:

@@ -80,6 +80,7 @@ GAIN = 0.002
 DEMAND_MEMORY_S = 60.0
 MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
 CLASS_SHARE = 0.05  # a class counts as served from this share of recent requests
+CENSOR_REFRESH_S = 1.0  # the answers in flight are folded into the lengths this often
 
 
 def _logit_tail(q: float) -> float:
@@ -184,6 +185,12 @@ class PoolLearning:
         self._prompt = self.lengths.prior.mean * 4.0  # until the first request
         self._prompts = 0
         self.inflight: dict[str, int] = {}  # this gateway's requests per class, running now
+        # Its running requests (key -> class, start, predicted TTFT and step) and the lengths
+        # with their answers so far folded in as censored observations (docstring), by class
+        # ("" for the pool's), rebuilt by ``refresh`` every CENSOR_REFRESH_S.
+        self._running: dict[str, tuple[str, float, float, float]] = {}
+        self._views: dict[str, Lengths] = {}
+        self._viewed_at = -math.inf
         self.backlog = Backlog()
 
     def promise(self, service_class: str) -> Promise:
@@ -205,8 +212,27 @@ class PoolLearning:
         total = sum(self._asked.values())
         served = sum(1 for n in self._asked.values() if n >= CLASS_SHARE * total)
         if served < 2:
-            return self.lengths
-        return self._own(service_class)
+            return self._views.get("", self.lengths)
+        return self._views.get(service_class) or self._own(service_class)
+
+    def refresh(self, now: float) -> None:
+        """Fold the answers in flight into the lengths (``Lengths.censored``), at most every
+        ``CENSOR_REFRESH_S``: a request running for ``a`` after a decision that predicted its
+        first token at ``t`` and decode steps of ``s`` has generated about ``(a - t) / s``
+        tokens so far, and its answer is at least that long."""
+        if now - self._viewed_at < CENSOR_REFRESH_S:
+            return
+        self._viewed_at = now
+        pool: list[float] = []
+        by_class: dict[str, list[float]] = {}
+        for cls, started, ttft_ms, step_ms in self._running.values():
+            tokens = ((now - started) * 1000.0 - ttft_ms) / step_ms
+            if tokens > 1.0:
+                pool.append(tokens)
+                by_class.setdefault(cls, []).append(tokens)
+        self._views = {cls: self._own(cls).censored(b) for cls, b in by_class.items()}
+        if pool:
+            self._views[""] = self.lengths.censored(pool)
 
     def _own(self, service_class: str) -> Lengths:
         own = self.class_lengths.get(service_class)
@@ -222,7 +248,8 @@ class PoolLearning:
         self._asked = {c: n * factor for c, n in self._asked.items()}
 
     def mix(self) -> Mix:
-        return Mix(prompt_tokens=self._prompt, output_tokens=max(1.0, self.lengths.mean()))
+        lengths = self._views.get("", self.lengths)
+        return Mix(prompt_tokens=self._prompt, output_tokens=max(1.0, lengths.mean()))
 
     def arrived(self, service_class: str, batch: bool, now: float,
                 prompt_tokens: int | None = None) -> None:
@@ -239,10 +266,15 @@ class PoolLearning:
             self._prompt += w * (prompt_tokens - self._prompt)
 
     def admitted(self, service_class: str, prompt_tokens: int, *, batch: bool = False,
-                 expected_s: float = 0.0, now: float = 0.0, prefill_rate: float = 0.0) -> None:
+                 expected_s: float = 0.0, now: float = 0.0, prefill_rate: float = 0.0,
+                 key: str | None = None, ttft_ms: float = 0.0, step_ms: float = 0.0) -> None:
         """A request runs: its prompt joins the prefill backlog (drained at ``prefill_rate``
         tokens a second); ``expected_s``, its predicted time in flight, stands for the
-        interactive classes' measured time until one of their requests has ended."""
+        interactive classes' measured time until one of their requests has ended; with its
+        ``key`` and its decision's predicted ``ttft_ms`` and ``step_ms``, its answer so far
+        counts in the lengths while it runs (``refresh``)."""
+        if key is not None and step_ms > 0:
+            self._running[key] = (service_class, now, ttft_ms, step_ms)
         if not batch and expected_s > 0 and not self.demand.measured:
             self.demand.served(expected_s, now)
         self.inflight[service_class] = self.inflight.get(service_class, 0) + 1
@@ -250,12 +282,14 @@ class PoolLearning:
 
     def settled(self, service_class: str, *, batch: bool, seconds: float, deadline_s: float,
                 completed: bool, unavoidable: float, now: float, ttft_ms: float = 0.0,
-                step_ms: float = 0.0) -> None:
+                step_ms: float = 0.0, key: str | None = None) -> None:
         """An admitted request's stream ended after ``seconds``: ``completed`` normally, or
         cancelled. Past its deadline it is a miss; a completion within it a hit; a stream
         cancelled in time says nothing about the promise. ``ttft_ms`` and ``step_ms``: what
         its decision predicted (its class's lengths learn from them; 0: nothing to learn)."""
         self.inflight[service_class] = max(0, self.inflight.get(service_class, 0) - 1)
+        if key is not None:
+            self._running.pop(key, None)
         missed = seconds > deadline_s
         if missed or completed:
             self.promise(service_class).settled(missed, unavoidable)

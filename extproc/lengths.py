@@ -18,9 +18,14 @@ and promises it a quantile (``extproc.admission``). Both come from one ``Lengths
   least that long. ``observe(tokens, cut=True)`` spreads its count over the cells above
   ``tokens`` in proportion to what the histogram holds there (Efron's redistribute-to-the-
   right, the Kaplan-Meier estimate on a grid), so a mix of requests with small ``max_tokens``
-  does not teach the pool that answers are short. What rejection hides needs no correction:
-  the gateway rejects by prompt, class and load, never by the answer's length (which it does
-  not know), so the outputs it sees are a fair sample of those it would have seen.
+  does not teach the pool that answers are short. The answers still being generated are
+  censored the same way (``censored``: a stream in flight for a while has produced at least
+  so many tokens): without them the first outputs a pool sees are its short ones, since they
+  end first, and a fresh pool (or a pool whose traffic just changed) believes answers are
+  short exactly while it fills its engines with long ones. What rejection hides needs no
+  correction: the gateway rejects by prompt, class and load, never by the answer's length
+  (which it does not know), so the outputs it sees are a fair sample of those it would have
+  seen.
 
 Queries (each O(cells)): ``mean(cap)``, the mean of ``min(output, cap)``; ``quantile(q)``;
 ``survival(x)``, the share of outputs longer than ``x``. Quantiles interpolate linearly within
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -126,6 +132,24 @@ class Lengths:
                 share = count * w / total
                 self._add(i, share, share * max(tokens, _mid(i)))
 
+    def censored(self, bounds: Iterable[float]) -> Lengths:
+        """A copy that also counts one output longer than each of ``bounds`` (the answers in
+        flight, each at least that long), redistributed to the right from the shortest bound
+        up (Efron's order). Bounds are grouped by grid cell, so this is O(bounds + cells^2)."""
+        view = Lengths.__new__(Lengths)
+        view.prior, view._prior, view._prior_sums = self.prior, self._prior, self._prior_sums
+        view._counts, view._sums = list(self._counts), list(self._sums)
+        view._seen, view._cumulative = self._seen, None
+        groups: dict[int, tuple[int, float]] = {}
+        for b in bounds:
+            cell = bisect.bisect_left(GRID, b)
+            n, low = groups.get(cell, (0, b))
+            groups[cell] = (n + 1, min(low, b))
+        for cell in sorted(groups):
+            n, low = groups[cell]
+            view.observe(low, n, cut=True)
+        return view
+
     def observe_bucket(self, low: float, high: float, count: float) -> None:
         """``count`` outputs somewhere in ``(low, high]`` (a bucket of an engine's histogram),
         spread over the grid cells inside in proportion to their overlap in log space: within
@@ -200,6 +224,22 @@ class Lengths:
             else:  # the cell holding the cap: its outputs below the cap, the rest at it
                 acc += min(self._sums[i] + k * self._prior_sums[i], n * cap)
         return acc / total
+
+    def held(self, cap: float = math.inf) -> float:
+        """The mean output a request *in flight* has generated so far: ``E[o^2] / (2 E[o])``
+        of ``o = min(output, cap)`` (each cell's outputs at their mean). A request in flight
+        is more likely a long one (it stays longer: the inspection paradox), so with a heavy
+        tail this exceeds the mean itself: what the engines' KV caches hold."""
+        k = self._prior_weight
+        first = second = 0.0
+        for i in range(CELLS):
+            n = self._counts[i] + k * self._prior[i]
+            if n <= 0:
+                continue
+            o = min((self._sums[i] + k * self._prior_sums[i]) / n, cap)
+            first += n * o
+            second += n * o * o
+        return second / (2.0 * first) if first > 0 else 0.0
 
     def quantile(self, q: float) -> float:
         """The length a share ``q`` of outputs stays within."""

@@ -95,8 +95,8 @@ class Admission:
 
     @property
     def kv_tokens(self) -> int:
-        """The KV cache its ledger entry holds: its prompt and typical output."""
-        return round(self.cost.prompt_tokens + self.cost.typical)
+        """The KV cache its ledger entry holds (``Cost.kv``)."""
+        return round(self.cost.kv)
 
     @property
     def runs(self) -> bool:
@@ -135,7 +135,7 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
         promised = typical
     else:
         promised = lengths.quantile(learning.promise(ask.service_class).quantile)
-    return Cost(ask.prompt_tokens, charged, typical, promised)
+    return Cost(ask.prompt_tokens, charged, typical, promised, lengths.held(charged))
 
 
 def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
@@ -159,14 +159,14 @@ def charge_of(ask: Ask, pool: Pool, learning: PoolLearning, replicas: int) -> fl
 
 def kv_of(ask: Ask, pool: Pool, learning: PoolLearning) -> int:
     """The KV tokens the ledger entry of ``ask`` holds (``Admission.kv_tokens``)."""
-    cost = cost_of(ask, pool, learning)
-    return round(cost.prompt_tokens + cost.typical)
+    return round(cost_of(ask, pool, learning).kv)
 
 
 def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot: Snapshot,
           replicas: int, now: float, correction: Correction = NO_CORRECTION) -> Admission:
     """Decide one request (module docstring)."""
     policy = class_policy(config, ask.service_class, ask.deadline_ms)
+    learning.refresh(now)
     cost = cost_of(ask, pool, learning)
     limit = pool.engine.max_model_len
     asked = ask.prompt_tokens + (ask.max_tokens or 0) * max(1, ask.choices)
@@ -232,11 +232,10 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Co
     n = snapshot.inflight
     reserve = math.ceil(capacity.reserved)
     mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
-    mean_kv = (snapshot.kv_tokens / n) if n else cost.prompt_tokens + cost.typical
+    mean_kv = (snapshot.kv_tokens / n) if n else cost.kv
     after = Snapshot(n + 1 + reserve,
                      snapshot.outstanding_ms + decision.service_ms + reserve * mean_ms,
-                     round(snapshot.kv_tokens + cost.prompt_tokens + cost.typical
-                           + reserve * mean_kv),
+                     round(snapshot.kv_tokens + cost.kv + reserve * mean_kv),
                      snapshot.prefill_tokens + cost.prompt_tokens)
     plain = dataclasses.replace(capacity, reserved=0.0)
     prompt = round(capacity.mix.prompt_tokens)

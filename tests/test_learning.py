@@ -127,3 +127,23 @@ def test_each_class_learns_its_own_lengths_once_the_pool_serves_several() -> Non
     learning.settled("chat", batch=False, seconds=60.0, deadline_s=30.0, completed=False,
                      unavoidable=0.0, now=300.0, ttft_ms=500.0, step_ms=20.0)
     assert learning.lengths_for("chat").quantile(0.999) > 2500
+
+
+def test_requests_in_flight_count_in_the_lengths_until_they_end() -> None:
+    learning = PoolLearning()
+    for _ in range(300):
+        learning.lengths.observe(20)  # the short answers, which end first
+    before = learning.lengths_for("chat").mean()
+    for i in range(100):  # long answers admitted at t=0: 20 ms steps after a 0.5 s TTFT
+        learning.admitted("chat", 500, now=0.0, key=f"r{i}", ttft_ms=500.0, step_ms=20.0)
+    learning.refresh(10.5)  # each is ~500 tokens in: at least that long
+    during = learning.lengths_for("chat")
+    assert during.mean() > 5 * before
+    assert during.quantile(0.8) > 400  # a quarter of the answers are long
+    learning.refresh(10.7)  # refreshed at most once a second: the same view
+    assert learning.lengths_for("chat") is during
+    for i in range(100):
+        learning.settled("chat", batch=False, seconds=30.0, deadline_s=60.0, completed=True,
+                         unavoidable=0.0, now=30.0, key=f"r{i}")
+    learning.refresh(30.0)
+    assert learning.lengths_for("chat") is learning.lengths  # nothing in flight: no view

@@ -97,3 +97,39 @@ def test_a_bad_prior_still_gives_a_usable_distribution() -> None:
     narrow = Prior(mean=100.0, p99=50.0)  # p99 under the mean: nearly a point
     lengths = Lengths(narrow)
     assert lengths.quantile(0.99) == pytest.approx(100.0, rel=0.5)
+
+
+def test_answers_in_flight_are_counted_so_short_ones_ending_first_do_not_fool_it() -> None:
+    # Bimodal answers: 75% of ~15 tokens, 25% of ~1,400. A few seconds after a start only the
+    # short ones have ended; the long ones are in flight, each at least a few hundred tokens
+    # in. Completions alone say answers are short (a mean of 15 against the true ~400); with
+    # the ones in flight as censored observations it is back within a factor of two (it knows
+    # only that they are at least that long: the prior's tail says how much longer).
+    rng = random.Random(5)
+    short = lognormal(rng, 750, math.log(15), 0.4)
+    long = lognormal(rng, 250, math.log(1400), 0.4)
+    true_mean = (sum(short) + sum(long)) / 1000
+    ended = Lengths()
+    for v in short:
+        ended.observe(v)
+    so_far = [min(v, rng.uniform(200, 600)) for v in long]  # none has ended yet
+    assert ended.mean() < 0.2 * true_mean
+    view = ended.censored(so_far)
+    assert 0.5 * true_mean < view.mean() < true_mean
+    assert view.quantile(0.9) > 400
+    assert ended.mean() < 0.2 * true_mean  # the view is a copy: the histogram is unchanged
+    assert ended.censored([]).mean() == pytest.approx(ended.mean())
+
+
+def test_what_requests_in_flight_hold_is_length_biased() -> None:
+    rng = random.Random(6)
+    constant, bimodal = Lengths(), Lengths()
+    for _ in range(20_000):
+        constant.observe(rng.uniform(95, 105))
+        bimodal.observe(15 if rng.random() < 0.75 else 1400)
+    # all alike: half the final length on average (E[o^2] / 2E[o] = o / 2)
+    assert constant.held() == pytest.approx(50.0, rel=0.05)
+    # heavy-tailed: in flight are mostly the long ones, far above the mean (~361)
+    assert bimodal.mean() == pytest.approx(361, rel=0.05)
+    assert bimodal.held() == pytest.approx((0.75 * 15**2 + 0.25 * 1400**2) / (2 * 361), rel=0.1)
+    assert bimodal.held(cap=100) <= 50.0  # max_tokens caps it like the mean

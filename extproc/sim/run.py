@@ -430,7 +430,8 @@ class Simulation:
         self._sample.admitted += 1
         learning.admitted(job.service_class, job.prompt_tokens, batch=batch,
                           expected_s=a.predicted_completion_s, now=now,
-                          prefill_rate=self._prefill_rate)
+                          prefill_rate=self._prefill_rate, key=a.key,
+                          ttft_ms=a.predicted_ttft_ms, step_ms=a.predicted_step_ms)
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
@@ -476,7 +477,8 @@ class Simulation:
         self.learning.settled(a.job.service_class, batch=a.batch,
                               seconds=self.now - a.arrival, deadline_s=a.deadline_s,
                               completed=completed, unavoidable=a.unavoidable, now=self.now,
-                              ttft_ms=a.predicted_ttft_ms, step_ms=a.predicted_step_ms)
+                              ttft_ms=a.predicted_ttft_ms, step_ms=a.predicted_step_ms,
+                              key=a.key)
 
     def _retry_or_fail(self, a: Attempt) -> None:
         clients = self.scenario.clients
