@@ -54,17 +54,17 @@ so a request admitted right after them waits for theirs before its own; the gate
 that backlog (``U``: prompt tokens admitted, drained at the fleet's prefill rate;
 ``extproc.learning.Backlog``), or first tokens in a burst come late.
 The KV cache bounds the batch before ``max_num_seqs`` does when contexts are long: a replica
-holds ``kv_tokens / f`` sequences, and past that vLLM preempts (by recomputation: work lost).
-A sequence's footprint is its prompt and the larger of its typical output and the mean
-output a request *in flight* holds, ``E[o^2] / 2E[o]`` (``Cost.kv``): requests in flight are
-the long ones more often than arrivals are, so with heavy-tailed outputs (most answers a few
-tokens, one in five a thousand) the batch holds far more than arrivals' mean suggests.
-Counting what the ledger holds, not the mix, matters when prompts are heavy-tailed: a few
-100k-token documents fill a replica that a mean would call a quarter full. And a request never waits in an engine's queue for memory (``KV_CACHE``):
-vLLM takes a waiting request in as soon as its first chunk's blocks are free, and when the
-batch's sequences then grow into the blocks it took, it preempts the newest and recomputes
-it later; a queue that waits for memory makes the engine thrash. Queueing is for slots
-(``max_num_seqs``), where a waiting request holds nothing.
+holds ``kv_tokens / f`` sequences, and past that vLLM preempts (by recomputation: work lost). A
+sequence's footprint is its prompt and the larger of its typical output and the mean output a
+request *in flight* holds, ``E[o^2] / 2E[o]`` (``Cost.kv``): requests in flight are the long
+ones more often than arrivals are, so with heavy-tailed outputs (most answers a few tokens, one
+in five a thousand) the batch holds far more than arrivals' mean suggests. Counting what the
+ledger holds, not the mix, matters when prompts are heavy-tailed: a few 100k-token documents
+fill a replica that a mean would call a quarter full. And a request never waits in an engine's
+queue for memory (``KV_CACHE``): vLLM takes a waiting request in as soon as its first chunk's
+blocks are free, and when the batch's sequences then grow into the blocks it took, it preempts
+the newest and recomputes it later; a queue that waits for memory makes the engine thrash.
+Queueing is for slots (``max_num_seqs``), where a waiting request holds nothing.
 
 Charge the typical, promise a quantile. The fleet is charged what requests will probably cost
 (charging ``max_tokens`` in full makes a busy fleet look several times busier than it is); a
