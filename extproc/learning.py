@@ -21,16 +21,10 @@ log((1 - q) / q)``:
 a stochastic-approximation (Robbins-Monro) quantile tracker: each miss makes the promise
 stricter by ``gain x (1 - expected) / target_miss``, each hit looser by ``gain x expected /
 target_miss``, so ``x`` stands still exactly when misses come at the ``expected`` rate. It is
-bounded, ``q`` in [0.5, 0.995], starts at the strict end (0.99); a hundred hits undo one
-miss's tightening, so a burst of misses tightens it at once while loosening takes sustained
-evidence: stable under bursts, with no oscillation faster than the traffic's own. ``gain``
-(0.005) is how fast it learns: from 0.99 to 0.95 takes about 330 on-time answers without a
-miss (a busy pool's minute or two), and a miss tightens it by half a unit of log-odds (0.95
-back to 0.97). At 0.002 a pool needed over 800 answers to loosen, and the short runs of the
-evaluation matrix ended before a fresh gateway's promise did (a fleet of 16-slot engines kept
-a few of its slots empty through a two-minute run that naive slot counting filled at 99.5%);
-at 0.01 a single miss moves it a whole unit (0.95 to 0.98), so it wanders by a unit with
-the luck of each few hundred answers. ``unavoidable`` is the chance, from the learned lengths, that
+bounded, ``q`` in [0.5, 0.995], starts at the strict end (0.99), and one step is small
+(``gain`` 0.002: a hundred hits undo one miss's tightening), so a burst of misses tightens it
+at once while loosening takes sustained evidence: stable under bursts, with no oscillation
+faster than the traffic's own. ``unavoidable`` is the chance, from the learned lengths, that
 the request's answer is too long to finish within its deadline even alone on an idle replica:
 such misses are not load's doing, and no promise could prevent them, so they raise the
 expected miss rate instead of tightening the promise (a workload where one answer in five is
@@ -82,7 +76,7 @@ from extproc.lengths import Lengths, Prior
 
 TARGET_ATTAINMENT = 0.99
 Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99
-GAIN = 0.005
+GAIN = 0.002
 DEMAND_MEMORY_S = 60.0
 MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
 CLASS_SHARE = 0.05  # a class counts as served from this share of recent requests
