@@ -85,7 +85,7 @@ from extproc.ledger import Entry, Ledger
 from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.request import InferenceRequest, parse
-from extproc.step import NO_CORRECTION, Admission, Ask, admit, charge_of, kv_of
+from extproc.step import NO_CORRECTION, Admission, Ask, admit, charge_of, kv_of, running_of
 from extproc.telemetry import DecisionSpan, Tracing
 from extproc.tenant import Tenant
 
@@ -239,6 +239,7 @@ class Gate:
         self._forgotten_at = now
         for learning in self.learning.values():
             learning.decay(factor)
+            learning.resolve(now)  # the requests whose deadline came, while none asks
 
     def _as_reported(self, pool: Pool, engines: PoolStats | None) -> Pool:
         """The pool with the KV cache its engines report (``vllm:cache_config_info``, the
@@ -588,7 +589,7 @@ class Gate:
             adm.service_class, adm.cost.prompt_tokens, batch=adm.policy.batch,
             expected_s=adm.decision.completion_ms / 1000.0 if adm.decision else 0.0,
             now=self._clock(), prefill_rate=adm.prefill_rate, key=ticket.request_id,
-            ttft_ms=ticket.ttft_ms, step_ms=ticket.step_ms)
+            running=running_of(adm, self._clock()))
         return ticket
 
     async def _renew(self, ticket: Ticket) -> None:

@@ -10,26 +10,38 @@ simulator hold one ``PoolLearning`` per pool and feed it the same way.
 within its deadline. A fixed high ``q`` holds every request to a worst case, which is far
 stricter than the target, 99% of *admitted requests* within their deadline: it keeps batches
 small and turns away work the fleet could have done in time. So ``q`` is not a constant:
-``Promise`` holds it where the measured attainment meets the target, per pool and class. Each
-admitted request, when its stream ends, is a miss (it ended after its deadline) or a hit (it
-completed within it; a stream the client cancelled early says nothing). With ``x =
-log((1 - q) / q)``:
+``Promise`` holds it where attainment meets the target, per pool and class, in two loops:
 
-    x  <-  x + gain x (expected - miss) / target_miss
-    expected = target_miss + (1 - target_miss) x unavoidable
+- *predicted* (fast): each admitted request comes with the chance its decision predicts that
+  it misses its deadline (its answer longer than what the deadline leaves after its predicted
+  first token at its predicted step, from the learned lengths: ``extproc.step.miss_chance``).
+  With ``x = log((1 - q) / q)``, at each admission::
 
-a stochastic-approximation (Robbins-Monro) quantile tracker: each miss makes the promise
-stricter by ``gain x (1 - expected) / target_miss``, each hit looser by ``gain x expected /
-target_miss``, so ``x`` stands still exactly when misses come at the ``expected`` rate. It is
-bounded, ``q`` in [0.5, 0.995], starts at the strict end (0.99), and one step is small
-(``gain`` 0.002: a hundred hits undo one miss's tightening), so a burst of misses tightens it
-at once while loosening takes sustained evidence: stable under bursts, with no oscillation
-faster than the traffic's own. ``unavoidable`` is the chance, from the learned lengths, that
-the request's answer is too long to finish within its deadline even alone on an idle replica:
-such misses are not load's doing, and no promise could prevent them, so they raise the
-expected miss rate instead of tightening the promise (a workload where one answer in five is
-unboundedly long would otherwise drive the promise to where nothing is admitted at all).
-Across gateway replicas each one holds its own promise from its own completions: each sees a
+      x  <-  x + gain x (expected - chance) / m
+      expected = m + (1 - m) x unavoidable,   m = target_miss x calibration
+
+  a stochastic-approximation (Robbins-Monro) tracker that stands still exactly when admitted
+  requests' predicted chances average ``expected``. A prediction is known at once and is a
+  probability, not a rare event, so it can move ``q`` fast (``gain`` 0.01: from 0.99 to 0.95
+  in about 165 admissions that were sure to make it) without the noise of counting misses;
+- *measured* (slow): each admitted request is resolved when its deadline comes, a miss if it
+  is still running or ended late, a hit if it completed in time (a stream cancelled in time
+  says nothing). ``calibration`` is predicted misses over measured ones, both decayed like the
+  lengths, with ``CALIBRATION_PRIOR`` requests' worth of agreement (ten misses at the target)
+  so a handful of misses does not swing it: where the model is optimistic (misses come twice
+  as often as predicted), the predicted loop aims at half the target, and measured attainment
+  lands on it. Resolving at the deadline, not when a stream ends, matters: the short answers
+  of a burst end first, and counted then they would vouch for the long ones still running.
+
+``q`` is bounded to [0.5, 0.995] and starts at the strict end (0.99). ``unavoidable`` is the
+chance, from the learned lengths, that the request's answer is too long to finish within its
+deadline even alone on an idle replica: such misses are not load's doing, and no promise could
+prevent them, so they raise the expected miss rate instead of tightening the promise (a
+workload where one answer in five is unboundedly long would otherwise drive the promise to
+where nothing is admitted at all). The gateway measures a stream's duration, not its first
+token, so time-to-first-token misses reach the promise only through the decision's own TTFT
+check.
+Across gateway replicas each one holds its own promise from its own admissions: each sees a
 fair sample of the traffic, so each converges to the same quantile, and each one's admitted
 requests meet the target, hence all of them together do.
 
@@ -67,6 +79,7 @@ that one admitted, and a burst's first tokens are predicted that much too early.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -76,7 +89,8 @@ from extproc.lengths import Lengths, Prior
 
 TARGET_ATTAINMENT = 0.99
 Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99
-GAIN = 0.002
+GAIN = 0.01
+CALIBRATION_PRIOR = 1000.0  # requests at the target miss rate: ten misses, predicted and seen
 DEMAND_MEMORY_S = 60.0
 MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
 CLASS_SHARE = 0.05  # a class counts as served from this share of recent requests
@@ -96,22 +110,40 @@ class Promise:
     x: float = field(default=_logit_tail(Q_START))
     hits: int = 0
     misses: int = 0
+    _predicted: float = 0.0  # settled requests' predicted miss chances, decayed
+    _missed: float = 0.0  # ... and their misses
 
     @property
     def quantile(self) -> float:
         return 1.0 / (1.0 + math.exp(self.x))
 
-    def settled(self, missed: bool, unavoidable: float = 0.0) -> None:
-        """One admitted request ended: ``missed`` its deadline or not. ``unavoidable``: the
-        chance it would have missed even alone on an idle replica."""
-        miss = 1.0 - self.target
+    @property
+    def calibration(self) -> float:
+        """Predicted misses per measured miss (1 until measured: ``CALIBRATION_PRIOR``)."""
+        prior = CALIBRATION_PRIOR * (1.0 - self.target)
+        return (self._predicted + prior) / (self._missed + prior)
+
+    def admitted(self, chance: float, unavoidable: float = 0.0) -> None:
+        """A request was admitted with a predicted ``chance`` of missing its deadline, of
+        which ``unavoidable`` it would miss even alone on an idle replica."""
+        miss = min(0.5, (1.0 - self.target) * self.calibration)
         expected = miss + (1.0 - miss) * min(1.0, max(0.0, unavoidable))
-        self.x += self.gain * ((expected - (1.0 if missed else 0.0)) / miss)
+        self.x += self.gain * (expected - min(1.0, max(0.0, chance))) / miss
         self.x = min(_logit_tail(Q_LOW), max(_logit_tail(Q_HIGH), self.x))
+
+    def settled(self, missed: bool, chance: float = 0.0) -> None:
+        """An admitted request was resolved: ``missed`` its deadline or not, against the
+        ``chance`` its admission predicted."""
+        self._predicted += chance
+        self._missed += 1.0 if missed else 0.0
         if missed:
             self.misses += 1
         else:
             self.hits += 1
+
+    def decay(self, factor: float) -> None:
+        self._predicted *= factor
+        self._missed *= factor
 
 
 @dataclass
@@ -173,6 +205,22 @@ class Demand:
         return load + 2.0 * math.sqrt(load)
 
 
+@dataclass(slots=True)
+class Running:
+    """What a pool keeps of one of this gateway's admitted requests while it runs."""
+
+    service_class: str
+    started: float
+    deadline_s: float = math.inf
+    ttft_ms: float = 0.0  # its decision's predicted first token
+    step_ms: float = 0.0  # ... and decode step (0: no prediction, nothing to learn)
+    budget_ms: float = 0.0  # the budget its promise was held to
+    promised: float = 0.0  # the output length it was promised
+    chance: float | None = None  # predicted chance it misses (None: not a step decision)
+    unavoidable: float = 0.0
+    missed: bool = False  # still running at its deadline: resolved as a miss
+
+
 class PoolLearning:
     """One pool's learned state: output lengths, promises per class, demand, the mix."""
 
@@ -185,12 +233,17 @@ class PoolLearning:
         self._prompt = self.lengths.prior.mean * 4.0  # until the first request
         self._prompts = 0
         self.inflight: dict[str, int] = {}  # this gateway's requests per class, running now
-        # Its running requests (key -> class, start, predicted TTFT and step) and the lengths
-        # with their answers so far folded in as censored observations (docstring), by class
-        # ("" for the pool's), rebuilt by ``refresh`` every CENSOR_REFRESH_S.
-        self._running: dict[str, tuple[str, float, float, float]] = {}
+        # Its running requests, and the lengths with their answers so far folded in as
+        # censored observations (docstring), by class ("" for the pool's), and the slowest
+        # decode step they can all afford, rebuilt by ``refresh`` every CENSOR_REFRESH_S.
+        self._running: dict[str, Running] = {}
         self._views: dict[str, Lengths] = {}
         self._viewed_at = -math.inf
+        self.step_ceiling_ms = math.inf
+        # Each request is resolved at its deadline (docstring): (deadline, key), and the
+        # outcomes of those that ended first: key -> (class, missed, chance).
+        self._due: list[tuple[float, str]] = []
+        self._ended: dict[str, tuple[str, bool, float]] = {}
         self.backlog = Backlog()
 
     def promise(self, service_class: str) -> Promise:
@@ -216,23 +269,54 @@ class PoolLearning:
         return self._views.get(service_class) or self._own(service_class)
 
     def refresh(self, now: float) -> None:
-        """Fold the answers in flight into the lengths (``Lengths.censored``), at most every
-        ``CENSOR_REFRESH_S``: a request running for ``a`` after a decision that predicted its
+        """Resolve the requests whose deadline has come (module docstring); and at most every
+        ``CENSOR_REFRESH_S``: fold the answers in flight into the lengths
+        (``Lengths.censored``: a request running for ``a`` after a decision that predicted its
         first token at ``t`` and decode steps of ``s`` has generated about ``(a - t) / s``
-        tokens so far, and its answer is at least that long."""
+        tokens so far, and its answer is at least that long), and find the slowest decode
+        step every running request can still afford (``step_ceiling_ms``: what is left of its
+        budget over what is left of its promised length)."""
+        self.resolve(now)
         if now - self._viewed_at < CENSOR_REFRESH_S:
             return
         self._viewed_at = now
         pool: list[float] = []
         by_class: dict[str, list[float]] = {}
-        for cls, started, ttft_ms, step_ms in self._running.values():
-            tokens = ((now - started) * 1000.0 - ttft_ms) / step_ms
+        ceiling = math.inf
+        for r in self._running.values():
+            if r.step_ms <= 0:
+                continue
+            elapsed_ms = (now - r.started) * 1000.0
+            tokens = (elapsed_ms - r.ttft_ms) / r.step_ms
             if tokens > 1.0:
                 pool.append(tokens)
-                by_class.setdefault(cls, []).append(tokens)
+                by_class.setdefault(r.service_class, []).append(tokens)
+            left_ms = r.budget_ms - max(elapsed_ms, r.ttft_ms)
+            remaining = r.promised - max(0.0, tokens)
+            if r.unavoidable < 1.0 and left_ms > 0 and remaining >= 1.0:
+                ceiling = min(ceiling, left_ms / remaining)
+        self.step_ceiling_ms = ceiling
         self._views = {cls: self._own(cls).censored(b) for cls, b in by_class.items()}
         if pool:
             self._views[""] = self.lengths.censored(pool)
+
+    def resolve(self, now: float) -> None:
+        """Each admitted request counts for its promise when its deadline comes: a miss if it
+        is still running or ended late, a hit if it completed in time (a stream cancelled in
+        time says nothing). Counting hits when they end and misses when they are known would
+        count the short answers first, and the promise would loosen on them before the long
+        ones it admitted with them could miss."""
+        while self._due and self._due[0][0] <= now:
+            _, key = heapq.heappop(self._due)
+            running = self._running.get(key)
+            if running is not None:
+                running.missed = True
+                self.promise(running.service_class).settled(True, _chance(running))
+                continue
+            ended = self._ended.pop(key, None)
+            if ended is not None:
+                cls, missed, chance = ended
+                self.promise(cls).settled(missed, chance)
 
     def _own(self, service_class: str) -> Lengths:
         own = self.class_lengths.get(service_class)
@@ -246,6 +330,8 @@ class PoolLearning:
         for own in self.class_lengths.values():
             own.decay(factor)
         self._asked = {c: n * factor for c, n in self._asked.items()}
+        for promise in self.promises.values():
+            promise.decay(factor)
 
     def mix(self) -> Mix:
         lengths = self._views.get("", self.lengths)
@@ -267,14 +353,19 @@ class PoolLearning:
 
     def admitted(self, service_class: str, prompt_tokens: int, *, batch: bool = False,
                  expected_s: float = 0.0, now: float = 0.0, prefill_rate: float = 0.0,
-                 key: str | None = None, ttft_ms: float = 0.0, step_ms: float = 0.0) -> None:
+                 key: str | None = None, running: Running | None = None) -> None:
         """A request runs: its prompt joins the prefill backlog (drained at ``prefill_rate``
         tokens a second); ``expected_s``, its predicted time in flight, stands for the
         interactive classes' measured time until one of their requests has ended; with its
-        ``key`` and its decision's predicted ``ttft_ms`` and ``step_ms``, its answer so far
-        counts in the lengths while it runs (``refresh``)."""
-        if key is not None and step_ms > 0:
-            self._running[key] = (service_class, now, ttft_ms, step_ms)
+        ``key`` and what its decision predicted (``running``), its answer so far counts in the
+        lengths while it runs, it is resolved at its deadline, and its predicted chance of
+        missing moves its class's promise (``refresh``, ``Promise``)."""
+        if key is not None and running is not None:
+            self._running[key] = running
+            if math.isfinite(running.deadline_s):
+                heapq.heappush(self._due, (running.started + running.deadline_s, key))
+            if running.chance is not None:
+                self.promise(service_class).admitted(running.chance, running.unavoidable)
         if not batch and expected_s > 0 and not self.demand.measured:
             self.demand.served(expected_s, now)
         self.inflight[service_class] = self.inflight.get(service_class, 0) + 1
@@ -285,19 +376,28 @@ class PoolLearning:
                 step_ms: float = 0.0, key: str | None = None) -> None:
         """An admitted request's stream ended after ``seconds``: ``completed`` normally, or
         cancelled. Past its deadline it is a miss; a completion within it a hit; a stream
-        cancelled in time says nothing about the promise. ``ttft_ms`` and ``step_ms``: what
-        its decision predicted (its class's lengths learn from them; 0: nothing to learn)."""
+        cancelled in time says nothing about the promise. A request this pool keeps (its
+        ``key``) is resolved at its deadline (``resolve``), any other at once. ``ttft_ms``
+        and ``step_ms``: what its decision predicted (its class's lengths learn from them; 0:
+        nothing to learn)."""
         self.inflight[service_class] = max(0, self.inflight.get(service_class, 0) - 1)
-        if key is not None:
-            self._running.pop(key, None)
         missed = seconds > deadline_s
-        if missed or completed:
-            self.promise(service_class).settled(missed, unavoidable)
+        running = self._running.pop(key, None) if key is not None else None
+        if key is not None and running is not None and math.isfinite(running.deadline_s):
+            if not running.missed and (missed or completed):
+                self._ended[key] = (service_class, missed, _chance(running))
+        elif missed or completed:
+            self.promise(service_class).settled(
+                missed, unavoidable if running is None else _chance(running))
         if not batch:
             self.demand.served(seconds, now)
         if step_ms > 0:
             tokens = max(1.0, (seconds * 1000.0 - ttft_ms) / step_ms)
             self._own(service_class).observe(tokens, cut=not completed)
+
+
+def _chance(r: Running) -> float:
+    return r.unavoidable if r.chance is None else r.chance
 
 
 def learning_for(pool: Pool) -> PoolLearning:

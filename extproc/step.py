@@ -58,7 +58,7 @@ from extproc.admission import (
 from extproc.config import Config, Infeasible, Pool
 from extproc.enginestats import Correction
 from extproc.errors import BadRequest, RequestError
-from extproc.learning import PoolLearning
+from extproc.learning import PoolLearning, Running
 from extproc.lengths import PRIOR_SAMPLES
 
 NO_CORRECTION = Correction()
@@ -91,6 +91,7 @@ class Admission:
     lease_ms: float = 0.0  # when the request runs: its ledger entry's lease
     ceiling_ms: float | None = None  # ... and the reserve's atomic check (None: no check)
     unavoidable: float = 0.0  # chance it misses even alone (the promise's feedback)
+    chance: float = 0.0  # predicted chance it misses its deadline (the promise's feedback)
     prefill_rate: float = 0.0  # the fleet's prompt tokens a second (``PoolLearning.admitted``)
 
     @property
@@ -206,7 +207,19 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         if crowded is not None:
             decision, outcome = crowded, crowded.outcome
             reason = reason if reason is Reason.INFEASIBLE else crowded.reason
+    if False and outcome in (Outcome.ADMIT, Outcome.PASS) and decision.step_ms > learning.step_ceiling_ms:
+        # It would slow the decode steps past what a running request can afford: its own
+        # promise may fit, but one already made would break.
+        slot_ms = (snapshot.outstanding_ms / snapshot.inflight if snapshot.inflight
+                   else decision.service_ms) / max(capacity.batch, 1)
+        decision = dataclasses.replace(decision, outcome=Outcome.REJECT, ceiling_ms=None,
+                                       retry_after_ms=max(slot_ms, 1.0))
+        outcome = Outcome.REJECT
+        reason = reason if reason is Reason.INFEASIBLE else Reason.DEADLINE
     runs = outcome in (Outcome.ADMIT, Outcome.PASS)
+    alone = (1.0 if outcome is Outcome.PASS  # infeasible: it misses, whatever load
+             else unavoidable(cost, capacity, policy, learning, ask.service_class)
+             if runs else 0.0)
     ceiling = decision.ceiling_ms
     if ceiling is not None:
         ceiling -= correction.extra_ms
@@ -214,10 +227,19 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         outcome, reason, ask.service_class, policy, cost, decision, error,
         lease_ms=decision.completion_ms + config.ledger.lease_grace_ms if runs else 0.0,
         ceiling_ms=ceiling if outcome is Outcome.ADMIT else None,
-        unavoidable=(1.0 if outcome is Outcome.PASS  # infeasible: it misses, whatever load
-                     else unavoidable(cost, capacity, policy, learning, ask.service_class)
-                     if runs else 0.0),
+        unavoidable=alone,
+        chance=(max(alone, miss_chance(cost, decision, policy, learning, ask.service_class))
+                if outcome is Outcome.ADMIT else alone),
         prefill_rate=rate)
+
+
+def running_of(adm: Admission, now: float) -> Running:
+    """What the pool keeps of an admitted request while it runs (``PoolLearning.admitted``)."""
+    d = adm.decision
+    return Running(adm.service_class, now, deadline_s=adm.policy.deadline_ms / 1000.0,
+                   ttft_ms=d.ttft_ms if d else 0.0, step_ms=d.step_ms if d else 0.0,
+                   budget_ms=adm.policy.budget_ms, promised=adm.cost.promised,
+                   chance=adm.chance, unavoidable=adm.unavoidable)
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,
@@ -247,6 +269,18 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Co
                                        reason=Reason.NO_CAPACITY, ceiling_ms=None,
                                        retry_after_ms=max(mean_ms / max(plain.batch, 1), 1.0))
     return None
+
+
+def miss_chance(cost: Cost, decision: Decision, policy: Policy, learning: PoolLearning,
+                policy_class: str) -> float:
+    """The chance the admitted request misses its deadline as predicted: its answer longer
+    than what its deadline leaves after its predicted first token at its predicted step."""
+    if cost.output_tokens <= 0 or decision.step_ms <= 0:
+        return 0.0
+    fits = (policy.deadline_ms - decision.ttft_ms) / decision.step_ms
+    if fits >= cost.output_tokens:
+        return 0.0
+    return learning.lengths_for(policy_class).survival(max(0.0, fits))
 
 
 def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLearning,

@@ -203,3 +203,44 @@ def test_keda_scales_down_only_after_its_window() -> None:
     assert k.recommend(_obs(waiting=40, ready=4, now=0.0)) == 8
     assert k.recommend(_obs(waiting=0, ready=8, now=100.0)) == 8  # the window remembers 8
     assert k.recommend(_obs(waiting=0, ready=8, now=400.0)) == 1  # ... for 300 s
+
+
+# ---- the decision's targets (issue 14), on the reduced matrix -------------------------------
+# Every family once (70b-16, 1.5x, a quarter of a full cell's length). Where the default
+# misses a target today, a strict xfail states the measured gap: it turns into a failure,
+# asking for the mark to go, the day the decision meets it. The full matrix's figures, every
+# cell, are in docs/simulator.md.
+
+TARGETS = ("naive", "saturation", "tuned", "attainment")
+GAPS = {
+    ("multi-turn", "naive"): "0.68x naive: two-minute conversations end before the promise"
+                             " has loosened to what 16 slots sustain",
+    ("multi-turn", "tuned"): "0.68x the tuned limit (16, naive's)",
+    ("flash-crowd", "naive"): "0.70x naive: the crowd arrives while the promise is strict",
+    ("flash-crowd", "tuned"): "0.70x the tuned limit (16, naive's)",
+    ("flash-crowd", "attainment"): "98.6%: the crowd's first tokens wait behind its prompts"
+                                   " longer than the backlog model predicts",
+    ("diurnal", "naive"): "0.72x naive: the ramp is over before the promise loosens",
+    ("diurnal", "saturation"): "0.96x the saturation detector",
+    ("diurnal", "tuned"): "0.72x the tuned limit (16, naive's)",
+    ("azure-conv", "naive"): "0.84x naive on a two-minute slice of the trace",
+    ("azure-conv", "tuned"): "0.84x the tuned limit (16, naive's)",
+    ("class-mix", "naive"): "0.85x naive: the latency class's promise is strict at first",
+    ("class-mix", "tuned"): "0.85x the tuned limit (16, naive's)",
+    ("summarisation", "tuned"): "0.82x the tuned limit of 10: KV-bound documents, the"
+                                " default admits fewer",
+    ("bimodal", "naive"): "0.99x naive",
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("family", AVAILABLE)
+def test_the_default_meets_the_target(reduced: tuple[str, dict[str, Any], Path], family: str,
+                                      target: str, request: pytest.FixtureRequest) -> None:
+    gap = GAPS.get((family, target))
+    if gap is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
+    _, data, _ = reduced
+    cell = next(c for c in data["cells"] if c["family"] == family)
+    assert target not in cell["losses"], (cell["ratios"],
+                                          cell["policies"]["default"]["attainment"])

@@ -5,27 +5,31 @@ import random
 
 import pytest
 
-from extproc.learning import Q_HIGH, Q_LOW, Q_START, Demand, PoolLearning, Promise
+from extproc.learning import Q_HIGH, Q_LOW, Q_START, Demand, PoolLearning, Promise, Running
 
 
-def run(promise: Promise, rounds: int, rng: random.Random, miss_at: float = 1.0,
-        unavoidable_share: float = 0.0) -> tuple[float, float]:
-    """Feed ``rounds`` settled requests: an avoidable one misses with chance ``miss_at x
-    (1 - q)`` (a longer promise admits less and misses less); a share of them would miss even
-    alone. Returns the avoidable ones' measured miss rate and the mean quantile over the
-    second half."""
+def run(promise: Promise, rounds: int, rng: random.Random, told: float = 1.0,
+        true: float = 1.0, unavoidable_share: float = 0.0) -> tuple[float, float]:
+    """Admit and resolve ``rounds`` requests: an avoidable one misses with chance ``true x
+    (1 - q)`` (a longer promise admits less and misses less) and is predicted to with chance
+    ``told x (1 - q)``; a share of them would miss even alone (predicted and unavoidable).
+    Returns the avoidable ones' measured miss rate and the mean quantile, second half."""
     misses = seen = 0
     quantiles = 0.0
     for i in range(rounds):
         if rng.random() < unavoidable_share:
-            promise.settled(True, unavoidable=1.0)
+            promise.admitted(1.0, unavoidable=1.0)
+            promise.settled(True, 1.0)
             continue
-        missed = rng.random() < miss_at * (1.0 - promise.quantile)
-        promise.settled(missed)
+        q = promise.quantile
+        chance = told * (1.0 - q)
+        promise.admitted(chance)
+        missed = rng.random() < true * (1.0 - q)
+        promise.settled(missed, chance)
         if i >= rounds // 2:
             misses += missed
             seen += 1
-            quantiles += promise.quantile
+            quantiles += q
     return misses / seen, quantiles / seen
 
 
@@ -33,17 +37,27 @@ def test_it_starts_strict() -> None:
     assert Promise().quantile == pytest.approx(Q_START)
 
 
-def test_the_loop_holds_measured_attainment_at_the_target() -> None:
+def test_the_loop_holds_attainment_at_the_target() -> None:
     promise = Promise()
-    rate, quantile = run(promise, 200_000, random.Random(1), miss_at=0.5)
+    rate, quantile = run(promise, 100_000, random.Random(1), told=0.5, true=0.5)
     assert rate == pytest.approx(0.01, abs=0.002)
     assert quantile == pytest.approx(0.98, abs=0.005)  # where 0.5 (1 - q) = 1%
 
 
+def test_a_model_that_underestimates_misses_is_corrected_by_what_is_measured() -> None:
+    # Predictions say half of what happens: the calibration learns it, and the promise holds
+    # the measured rate at the target, not the predicted one.
+    promise = Promise()
+    rate, quantile = run(promise, 200_000, random.Random(2), told=0.25, true=0.5)
+    assert promise.calibration == pytest.approx(0.5, rel=0.15)
+    assert rate == pytest.approx(0.01, abs=0.002)
+    assert quantile == pytest.approx(0.98, abs=0.005)
+
+
 def test_a_looser_fleet_lets_the_promise_loosen() -> None:
     strict, loose = Promise(), Promise()
-    _, strict_q = run(strict, 100_000, random.Random(2), miss_at=1.0)
-    _, loose_q = run(loose, 100_000, random.Random(2), miss_at=0.1)
+    _, strict_q = run(strict, 50_000, random.Random(3), told=1.0, true=1.0)
+    _, loose_q = run(loose, 50_000, random.Random(3), told=0.1, true=0.1)
     assert loose_q < strict_q - 0.05
 
 
@@ -51,7 +65,7 @@ def test_misses_no_promise_could_prevent_do_not_tighten_it() -> None:
     # One answer in five is too long for its deadline even alone: no promise helps them.
     # The loop still holds the others at the target instead of running to its strict bound.
     promise = Promise()
-    rate, quantile = run(promise, 200_000, random.Random(3), miss_at=0.5,
+    rate, quantile = run(promise, 100_000, random.Random(4), told=0.5, true=0.5,
                          unavoidable_share=0.2)
     assert rate == pytest.approx(0.01, abs=0.003)
     assert quantile == pytest.approx(0.98, abs=0.006)
@@ -60,24 +74,49 @@ def test_misses_no_promise_could_prevent_do_not_tighten_it() -> None:
 def test_the_promise_stays_within_its_bounds() -> None:
     always, never = Promise(), Promise()
     for _ in range(100_000):
-        always.settled(True)
-        never.settled(False)
+        always.admitted(0.5)
+        never.admitted(0.0)
     assert always.quantile == pytest.approx(Q_HIGH)
     assert never.quantile == pytest.approx(Q_LOW)
 
 
-def test_a_burst_of_misses_tightens_at_once_and_loosening_takes_evidence() -> None:
-    promise = Promise()
-    for _ in range(5_000):
-        promise.settled(False)
-    loose = promise.quantile
-    for _ in range(20):
-        promise.settled(True)
-    tightened = promise.quantile
-    assert tightened > loose + 0.1
-    for _ in range(100):
-        promise.settled(False)  # a hundred hits undo about one miss
-    assert promise.quantile > tightened - 0.05
+def test_measured_misses_tighten_the_next_admissions() -> None:
+    calm, burst = Promise(), Promise()
+    for p in (calm, burst):
+        for _ in range(2_000):
+            p.admitted(0.005)
+            p.settled(False, 0.005)
+    for _ in range(30):
+        burst.settled(True, 0.005)  # thirty misses the model did not see coming
+    for p in (calm, burst):
+        for _ in range(200):
+            p.admitted(0.005)
+    assert burst.calibration < 0.5 * calm.calibration
+    assert burst.quantile > calm.quantile + 0.005
+
+
+def test_each_request_counts_for_its_promise_when_its_deadline_comes() -> None:
+    # Short answers end first: counting them when they end and misses only once known
+    # would loosen the promise on the short ones before the long ones could miss.
+    learning = PoolLearning()
+    promise = learning.promise("chat")
+    for i in range(10):
+        learning.admitted("chat", 100, now=0.0, key=f"r{i}",
+                          running=Running("chat", 0.0, deadline_s=30.0, ttft_ms=100.0,
+                                          step_ms=20.0, budget_ms=24_000.0, promised=500.0,
+                                          chance=0.01))
+    for i in range(5):  # half end in 2 s
+        learning.settled("chat", batch=False, seconds=2.0, deadline_s=30.0, completed=True,
+                         unavoidable=0.0, now=2.0, key=f"r{i}")
+    learning.refresh(2.0)
+    assert (promise.hits, promise.misses) == (0, 0)  # not yet: their deadline has not come
+    learning.refresh(31.0)  # the rest are still running past their deadline: misses
+    assert (promise.hits, promise.misses) == (5, 5)
+    for i in range(5, 10):  # they end late: already counted
+        learning.settled("chat", batch=False, seconds=40.0, deadline_s=30.0, completed=True,
+                         unavoidable=0.0, now=40.0, key=f"r{i}")
+    learning.refresh(45.0)
+    assert (promise.hits, promise.misses) == (5, 5)
 
 
 def test_demand_is_littles_law_plus_two_deviations() -> None:
@@ -135,7 +174,8 @@ def test_requests_in_flight_count_in_the_lengths_until_they_end() -> None:
         learning.lengths.observe(20)  # the short answers, which end first
     before = learning.lengths_for("chat").mean()
     for i in range(100):  # long answers admitted at t=0: 20 ms steps after a 0.5 s TTFT
-        learning.admitted("chat", 500, now=0.0, key=f"r{i}", ttft_ms=500.0, step_ms=20.0)
+        learning.admitted("chat", 500, now=0.0, key=f"r{i}",
+                          running=Running("chat", 0.0, ttft_ms=500.0, step_ms=20.0))
     learning.refresh(10.5)  # each is ~500 tokens in: at least that long
     during = learning.lengths_for("chat")
     assert during.mean() > 5 * before

@@ -38,7 +38,15 @@ from extproc.sim.autoscaler import Fixed, Observation, Recommender
 from extproc.sim.clients import Attempt, ClientModel
 from extproc.sim.engine import INF, Replica
 from extproc.sim.policies import AdmissionPolicy, EngineView
-from extproc.step import Admission, Ask, admit, capacity_for, class_policy, cost_of
+from extproc.step import (
+    Admission,
+    Ask,
+    admit,
+    capacity_for,
+    class_policy,
+    cost_of,
+    running_of,
+)
 from extproc.workload import Job
 
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL = range(5)
@@ -431,7 +439,7 @@ class Simulation:
         learning.admitted(job.service_class, job.prompt_tokens, batch=batch,
                           expected_s=a.predicted_completion_s, now=now,
                           prefill_rate=self._prefill_rate, key=a.key,
-                          ttft_ms=a.predicted_ttft_ms, step_ms=a.predicted_step_ms)
+                          running=running_of(adm, now) if self.policy.uses_step else None)
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
