@@ -30,8 +30,13 @@ small and turns away work the fleet could have done in time. So ``q`` is not a c
   lengths, with ``CALIBRATION_PRIOR`` requests' worth of agreement (ten misses at the target)
   so a handful of misses does not swing it: where the model is optimistic (misses come twice
   as often as predicted), the predicted loop aims at half the target, and measured attainment
-  lands on it. Resolving at the deadline, not when a stream ends, matters: the short answers
-  of a burst end first, and counted then they would vouch for the long ones still running.
+  lands on it. A model can also be blind to what makes requests miss (it predicts none at all,
+  say, while long prompts' prefill stalls every decode): so while measured misses run over
+  what the target allows by more than a Poisson deviation (``over``), the promise never
+  loosens, and each measured miss tightens it at once by ``MEASURED_GAIN x (1 - expected) /
+  target_miss`` (0.2 in log-odds). Resolving at the deadline, not when a stream ends,
+  matters: the short answers of a burst end first, and counted then they would vouch for the
+  long ones still running.
 
 ``q`` is bounded to [0.5, 0.995] and starts at the strict end (0.99). ``unavoidable`` is the
 chance, from the learned lengths, that the request's answer is too long to finish within its
@@ -90,6 +95,7 @@ from extproc.lengths import Lengths, Prior
 TARGET_ATTAINMENT = 0.99
 Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99
 GAIN = 0.01
+MEASURED_GAIN = 0.002  # a measured miss's tightening while misses run over (0.2 log-odds)
 CALIBRATION_PRIOR = 1000.0  # requests at the target miss rate: ten misses, predicted and seen
 DEMAND_MEMORY_S = 60.0
 MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
@@ -110,7 +116,8 @@ class Promise:
     x: float = field(default=_logit_tail(Q_START))
     hits: int = 0
     misses: int = 0
-    _predicted: float = 0.0  # settled requests' predicted miss chances, decayed
+    _predicted: float = 0.0  # resolved requests' predicted miss chances, decayed
+    _expected: float = 0.0  # ... the misses the target allows them
     _missed: float = 0.0  # ... and their misses
 
     @property
@@ -123,26 +130,45 @@ class Promise:
         prior = CALIBRATION_PRIOR * (1.0 - self.target)
         return (self._predicted + prior) / (self._missed + prior)
 
+    @property
+    def over(self) -> bool:
+        """Measured misses above what the target allows, by more than a Poisson deviation."""
+        return self._missed > self._expected + math.sqrt(self._expected) + 1.0
+
+    def _expected_miss(self, miss: float, unavoidable: float) -> float:
+        return miss + (1.0 - miss) * min(1.0, max(0.0, unavoidable))
+
+    def _move(self, step: float) -> None:
+        self.x = min(_logit_tail(Q_LOW), max(_logit_tail(Q_HIGH), self.x + step))
+
     def admitted(self, chance: float, unavoidable: float = 0.0) -> None:
         """A request was admitted with a predicted ``chance`` of missing its deadline, of
         which ``unavoidable`` it would miss even alone on an idle replica."""
         miss = min(0.5, (1.0 - self.target) * self.calibration)
-        expected = miss + (1.0 - miss) * min(1.0, max(0.0, unavoidable))
-        self.x += self.gain * (expected - min(1.0, max(0.0, chance))) / miss
-        self.x = min(_logit_tail(Q_LOW), max(_logit_tail(Q_HIGH), self.x))
+        step = self.gain * (self._expected_miss(miss, unavoidable)
+                            - min(1.0, max(0.0, chance))) / miss
+        if step < 0 or not self.over:  # never looser while measured misses run over
+            self._move(step)
 
-    def settled(self, missed: bool, chance: float = 0.0) -> None:
+    def settled(self, missed: bool, chance: float = 0.0, unavoidable: float = 0.0) -> None:
         """An admitted request was resolved: ``missed`` its deadline or not, against the
-        ``chance`` its admission predicted."""
+        ``chance`` its admission predicted. While measured misses run over the target, each
+        one tightens the promise at once, whatever was predicted."""
+        miss = 1.0 - self.target
+        expected = self._expected_miss(miss, unavoidable)
         self._predicted += chance
+        self._expected += expected
         self._missed += 1.0 if missed else 0.0
         if missed:
             self.misses += 1
+            if self.over:
+                self._move(-MEASURED_GAIN * (1.0 - expected) / miss)
         else:
             self.hits += 1
 
     def decay(self, factor: float) -> None:
         self._predicted *= factor
+        self._expected *= factor
         self._missed *= factor
 
 
@@ -214,8 +240,6 @@ class Running:
     deadline_s: float = math.inf
     ttft_ms: float = 0.0  # its decision's predicted first token
     step_ms: float = 0.0  # ... and decode step (0: no prediction, nothing to learn)
-    budget_ms: float = 0.0  # the budget its promise was held to
-    promised: float = 0.0  # the output length it was promised
     chance: float | None = None  # predicted chance it misses (None: not a step decision)
     unavoidable: float = 0.0
     missed: bool = False  # still running at its deadline: resolved as a miss
@@ -234,16 +258,15 @@ class PoolLearning:
         self._prompts = 0
         self.inflight: dict[str, int] = {}  # this gateway's requests per class, running now
         # Its running requests, and the lengths with their answers so far folded in as
-        # censored observations (docstring), by class ("" for the pool's), and the slowest
-        # decode step they can all afford, rebuilt by ``refresh`` every CENSOR_REFRESH_S.
+        # censored observations (docstring), by class ("" for the pool's), rebuilt by
+        # ``refresh`` every CENSOR_REFRESH_S.
         self._running: dict[str, Running] = {}
         self._views: dict[str, Lengths] = {}
         self._viewed_at = -math.inf
-        self.step_ceiling_ms = math.inf
         # Each request is resolved at its deadline (docstring): (deadline, key), and the
-        # outcomes of those that ended first: key -> (class, missed, chance).
+        # outcomes of those that ended first: key -> (class, missed, chance, unavoidable).
         self._due: list[tuple[float, str]] = []
-        self._ended: dict[str, tuple[str, bool, float]] = {}
+        self._ended: dict[str, tuple[str, bool, float, float]] = {}
         self.backlog = Backlog()
 
     def promise(self, service_class: str) -> Promise:
@@ -270,32 +293,23 @@ class PoolLearning:
 
     def refresh(self, now: float) -> None:
         """Resolve the requests whose deadline has come (module docstring); and at most every
-        ``CENSOR_REFRESH_S``: fold the answers in flight into the lengths
-        (``Lengths.censored``: a request running for ``a`` after a decision that predicted its
-        first token at ``t`` and decode steps of ``s`` has generated about ``(a - t) / s``
-        tokens so far, and its answer is at least that long), and find the slowest decode
-        step every running request can still afford (``step_ceiling_ms``: what is left of its
-        budget over what is left of its promised length)."""
+        ``CENSOR_REFRESH_S``, fold the answers in flight into the lengths (``Lengths.censored``:
+        a request running for ``a`` after a decision that predicted its first token at ``t``
+        and decode steps of ``s`` has generated about ``(a - t) / s`` tokens so far, and its
+        answer is at least that long)."""
         self.resolve(now)
         if now - self._viewed_at < CENSOR_REFRESH_S:
             return
         self._viewed_at = now
         pool: list[float] = []
         by_class: dict[str, list[float]] = {}
-        ceiling = math.inf
         for r in self._running.values():
             if r.step_ms <= 0:
                 continue
-            elapsed_ms = (now - r.started) * 1000.0
-            tokens = (elapsed_ms - r.ttft_ms) / r.step_ms
+            tokens = ((now - r.started) * 1000.0 - r.ttft_ms) / r.step_ms
             if tokens > 1.0:
                 pool.append(tokens)
                 by_class.setdefault(r.service_class, []).append(tokens)
-            left_ms = r.budget_ms - max(elapsed_ms, r.ttft_ms)
-            remaining = r.promised - max(0.0, tokens)
-            if r.unavoidable < 1.0 and left_ms > 0 and remaining >= 1.0:
-                ceiling = min(ceiling, left_ms / remaining)
-        self.step_ceiling_ms = ceiling
         self._views = {cls: self._own(cls).censored(b) for cls, b in by_class.items()}
         if pool:
             self._views[""] = self.lengths.censored(pool)
@@ -311,12 +325,13 @@ class PoolLearning:
             running = self._running.get(key)
             if running is not None:
                 running.missed = True
-                self.promise(running.service_class).settled(True, _chance(running))
+                self.promise(running.service_class).settled(True, _chance(running),
+                                                            running.unavoidable)
                 continue
             ended = self._ended.pop(key, None)
             if ended is not None:
-                cls, missed, chance = ended
-                self.promise(cls).settled(missed, chance)
+                cls, missed, chance, unavoidable = ended
+                self.promise(cls).settled(missed, chance, unavoidable)
 
     def _own(self, service_class: str) -> Lengths:
         own = self.class_lengths.get(service_class)
@@ -385,10 +400,11 @@ class PoolLearning:
         running = self._running.pop(key, None) if key is not None else None
         if key is not None and running is not None and math.isfinite(running.deadline_s):
             if not running.missed and (missed or completed):
-                self._ended[key] = (service_class, missed, _chance(running))
+                self._ended[key] = (service_class, missed, _chance(running),
+                                    running.unavoidable)
         elif missed or completed:
             self.promise(service_class).settled(
-                missed, unavoidable if running is None else _chance(running))
+                missed, unavoidable if running is None else _chance(running), unavoidable)
         if not batch:
             self.demand.served(seconds, now)
         if step_ms > 0:

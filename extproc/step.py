@@ -207,15 +207,6 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         if crowded is not None:
             decision, outcome = crowded, crowded.outcome
             reason = reason if reason is Reason.INFEASIBLE else crowded.reason
-    if False and outcome in (Outcome.ADMIT, Outcome.PASS) and decision.step_ms > learning.step_ceiling_ms:
-        # It would slow the decode steps past what a running request can afford: its own
-        # promise may fit, but one already made would break.
-        slot_ms = (snapshot.outstanding_ms / snapshot.inflight if snapshot.inflight
-                   else decision.service_ms) / max(capacity.batch, 1)
-        decision = dataclasses.replace(decision, outcome=Outcome.REJECT, ceiling_ms=None,
-                                       retry_after_ms=max(slot_ms, 1.0))
-        outcome = Outcome.REJECT
-        reason = reason if reason is Reason.INFEASIBLE else Reason.DEADLINE
     runs = outcome in (Outcome.ADMIT, Outcome.PASS)
     alone = (1.0 if outcome is Outcome.PASS  # infeasible: it misses, whatever load
              else unavoidable(cost, capacity, policy, learning, ask.service_class)
@@ -238,7 +229,6 @@ def running_of(adm: Admission, now: float) -> Running:
     d = adm.decision
     return Running(adm.service_class, now, deadline_s=adm.policy.deadline_ms / 1000.0,
                    ttft_ms=d.ttft_ms if d else 0.0, step_ms=d.step_ms if d else 0.0,
-                   budget_ms=adm.policy.budget_ms, promised=adm.cost.promised,
                    chance=adm.chance, unavoidable=adm.unavoidable)
 
 
