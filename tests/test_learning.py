@@ -19,7 +19,7 @@ def run(promise: Promise, rounds: int, rng: random.Random, told: float = 1.0,
     for i in range(rounds):
         if rng.random() < unavoidable_share:
             promise.admitted(1.0, unavoidable=1.0)
-            promise.settled(True, 1.0)
+            promise.settled(True, 1.0, unavoidable=1.0)
             continue
         q = promise.quantile
         chance = told * (1.0 - q)
