@@ -74,12 +74,14 @@ learn otherwise). The promise's feedback corrects whatever bias the estimate kee
 **The mix.** The mean prompt of the requests that ask (decayed) and the mean output: the
 context a decode reads and the prefill that joins a busy batch (``extproc.admission.Mix``).
 
-**The prefill backlog** (``Backlog``): the prompt tokens this gateway admitted that the
-engines have not prefilled yet, a fluid estimate (each admission adds its prompt; the level
-drains at the fleet's prefill rate, the token budget a step, ``Capacity.backlog_ms``), so a
-request admitted in a burst is told it waits for the prompts ahead of it. Each gateway
-replica sees only its own admissions: behind several gateways the backlog is the fraction
-that one admitted, and a burst's first tokens are predicted that much too early.
+**The prefill backlog** (``Backlog``): the prompt tokens this gateway admitted that the engines
+have not prefilled yet, a fluid estimate (each admission adds its prompt; the level drains at
+the fleet's prefill rate, the token budget a step, ``Capacity.backlog_ms``, and a request whose
+stream has ended takes its own prompt out at once: an engine faster than its model must not
+leave a phantom backlog), so a request admitted in a burst is told it waits for the prompts
+ahead of it. Each gateway replica sees only its own admissions: behind several gateways it
+scales its backlog by the share of the ledger's requests in flight that it holds
+(``extproc.step.admit``), so two gateways sharing a ledger see the burst one gateway would.
 """
 
 from __future__ import annotations
@@ -242,6 +244,7 @@ class Running:
     step_ms: float = 0.0  # ... and decode step (0: no prediction, nothing to learn)
     chance: float | None = None  # predicted chance it misses (None: not a step decision)
     unavoidable: float = 0.0
+    prompt_tokens: int = 0  # prefilled for sure once its stream has ended
     missed: bool = False  # still running at its deadline: resolved as a miss
 
 
@@ -398,6 +401,8 @@ class PoolLearning:
         self.inflight[service_class] = max(0, self.inflight.get(service_class, 0) - 1)
         missed = seconds > deadline_s
         running = self._running.pop(key, None) if key is not None else None
+        if running is not None:  # whatever the estimate says, its prompt is prefilled
+            self.backlog.tokens = max(0.0, self.backlog.tokens - running.prompt_tokens)
         if key is not None and running is not None and math.isfinite(running.deadline_s):
             if not running.missed and (missed or completed):
                 self._ended[key] = (service_class, missed, _chance(running),

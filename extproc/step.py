@@ -181,9 +181,14 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
 
     capacity = capacity_for(pool, replicas, learning,
                             learning.demand.reserve(now) if policy.batch else 0.0)
-    rate = prefill_rate(capacity)  # the backlog's drain
+    # The prefill backlog is this gateway's; behind several gateways it is the share of the
+    # ledger's requests this one holds: the fleet's is that scaled up, draining at the
+    # fleet's rate (this one's share of it drains at the same share of the rate).
+    mine = sum(learning.inflight.values())
+    share = min(1.0, mine / snapshot.inflight) if mine and snapshot.inflight else 1.0
+    rate = prefill_rate(capacity) * share  # this gateway's backlog's drain
     snapshot = dataclasses.replace(correction.apply(snapshot),
-                                   prefill_tokens=learning.backlog.level(now, rate))
+                                   prefill_tokens=learning.backlog.level(now, rate) / share)
     decision = decide(cost, snapshot, capacity, policy, now)
     outcome, reason = decision.outcome, decision.reason
     error: RequestError | None = None
@@ -229,7 +234,8 @@ def running_of(adm: Admission, now: float) -> Running:
     d = adm.decision
     return Running(adm.service_class, now, deadline_s=adm.policy.deadline_ms / 1000.0,
                    ttft_ms=d.ttft_ms if d else 0.0, step_ms=d.step_ms if d else 0.0,
-                   chance=adm.chance, unavoidable=adm.unavoidable)
+                   chance=adm.chance, unavoidable=adm.unavoidable,
+                   prompt_tokens=adm.cost.prompt_tokens)
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,

@@ -481,8 +481,8 @@ def test_content_length_larger_than_the_body(stack: LocalStack) -> None:
             sock.recv(1)  # no answer: Envoy is still reading the body
     assert stack.metric("extproc_admission_decisions_total") == before
     admitted = stack.metric("extproc_admission_decisions_total", labels)
-    status, _, _, _ = http(stack.url + CHAT, raw)
-    assert status == 200
+    status, _, body, _ = http(stack.url + CHAT, raw)
+    assert status == 200, body
     assert stack.metric("extproc_admission_decisions_total", labels) == admitted + 1
     assert inflight(stack) == 0
 

@@ -199,3 +199,14 @@ def test_requests_in_flight_count_in_the_lengths_until_they_end() -> None:
                          unavoidable=0.0, now=30.0, key=f"r{i}")
     learning.refresh(30.0)
     assert learning.lengths_for("chat") is learning.lengths  # nothing in flight: no view
+
+
+def test_a_prompt_leaves_the_backlog_when_its_stream_ends() -> None:
+    learning = PoolLearning()
+    learning.admitted("chat", 100_000, now=0.0, prefill_rate=10_000.0, key="big",
+                      running=Running("chat", 0.0, prompt_tokens=100_000))
+    assert learning.backlog.level(1.0, 10_000.0) == pytest.approx(90_000)
+    # the engine was faster than its model: the answer is back after a second
+    learning.settled("chat", batch=False, seconds=1.0, deadline_s=30.0, completed=True,
+                     unavoidable=0.0, now=1.0, key="big")
+    assert learning.backlog.level(1.0, 10_000.0) == 0.0
