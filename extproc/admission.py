@@ -95,7 +95,13 @@ completion, ttft_budget - ttft)``
 
     ceiling    = W + charge + R x slack
 
-which an unchanged ledger always satisfies.
+and ``max_inflight``, the most requests in flight, this one included, under which it still
+fits: each request admitted meanwhile pushes it one place back, the free slots cost nothing,
+and past them each place a replica's queue deepens costs a release, until the added wait
+eats the slack (none past the slots when the batch is bound by KV memory). The work ceiling
+alone let two gateways both take the last free slot: at a free slot the slack is counted in
+milliseconds of work, and one more request's work fits in it though its slot does not. An
+unchanged ledger satisfies both.
 
 A rejection says when the request would fit: the wait shrinks by one millisecond per
 millisecond while nothing new is admitted, so ``retry_after = completion - budget`` (or the
@@ -292,6 +298,7 @@ class Decision:
     finish_at: float  # now + completion: when the request is expected to end
     retry_after_ms: float | None = None  # set on REJECT: when it would fit
     ceiling_ms: float | None = None  # set on ADMIT: the ledger's atomic check (docstring)
+    max_inflight: int | None = None  # ... and the most requests in flight, this one included
     position: int = 0  # its place in the engines' queues (<= 0: a slot is free)
     step_ms: float = 0.0  # the decode step it was predicted to run at
 
@@ -305,6 +312,33 @@ def release_quantile(k: int, z: float) -> float:
     quantile ``z`` (Wilson-Hilferty's approximation of the gamma distribution: within 1% for
     the quantiles used here, exact in the mean as ``k`` grows)."""
     return k * max(0.0, 1.0 - 1.0 / (9.0 * k) + z / (3.0 * math.sqrt(k))) ** 3
+
+
+def _positions_within(position: int, replicas: int, mean_ms: float, z: float, slack_ms: float,
+                      *, kv_bound: bool) -> int:
+    """How many requests admitted meanwhile by other gateways this decision still tolerates:
+    each pushes it one place back in the engines' queues; the free slots cost nothing, and
+    then each replica's queue position costs a release (``release_quantile``) until the added
+    wait eats the slack. None past the slots when the batch is bound by KV memory."""
+    free = max(0, -position)
+    if kv_bound or mean_ms <= 0:
+        return free
+
+    def wait(p: int) -> float:
+        return release_quantile(math.ceil(p / replicas), z) * mean_ms if p > 0 else 0.0
+
+    now_j = math.ceil(position / replicas) if position > 0 else 0
+    base = wait(position)
+    low, high = now_j, now_j + 1
+    while high < 1 << 30 and wait(high * replicas) - base <= slack_ms:
+        low, high = high, high * 2
+    while high - low > 1:  # the largest queue depth (per replica) within the slack
+        mid = (low + high) // 2
+        if wait(mid * replicas) - base <= slack_ms:
+            low = mid
+        else:
+            high = mid
+    return free + max(0, low * replicas - max(position, 0))
 
 
 def idle_ms(cost: Cost, capacity: Capacity) -> tuple[float, float]:
@@ -374,9 +408,11 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     if deadline_excess <= 0 and ttft_excess <= 0:
         slack_ms = -max(deadline_excess, ttft_excess)
         ceiling_ms = snapshot.outstanding_ms + charge + replicas * slack_ms
+        most = n + 1 + _positions_within(position, replicas, mean_ms, capacity.wait_z, slack_ms,
+                                         kv_bound=per_replica < capacity.engine.max_num_seqs)
         return Decision(Outcome.ADMIT, Reason.FITS, charge, wait_ms, ttft_ms, completion_ms,
-                        budget, finish_at, ceiling_ms=ceiling_ms, position=position,
-                        step_ms=step_ms)
+                        budget, finish_at, ceiling_ms=ceiling_ms, max_inflight=most,
+                        position=position, step_ms=step_ms)
 
     reason = Reason.DEADLINE if deadline_excess >= ttft_excess else Reason.TTFT
     excess = max(deadline_excess, ttft_excess)

@@ -377,9 +377,11 @@ class Gate:
                     # Shadow mode and infeasible-but-passed requests run whatever the ledger
                     # holds: they are recorded without a ceiling.
                     assert verdict.admission is not None
-                    ceiling = verdict.admission.ceiling_ms if verdict.enforced else None
+                    enforced = verdict.enforced
+                    ceiling = verdict.admission.ceiling_ms if enforced else None
+                    most = verdict.admission.max_inflight if enforced else None
                     sent = True
-                    if await self._ledger("reserve", self.ledger.reserve(entry, ceiling)):
+                    if await self._ledger("reserve", self.ledger.reserve(entry, ceiling, most)):
                         return dataclasses.replace(verdict,
                                                    ticket=self._ticket(entry, verdict))
                     # Refused: another gateway took the room since our snapshot. Again.

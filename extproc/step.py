@@ -89,7 +89,8 @@ class Admission:
     decision: Decision | None = None
     error: RequestError | None = None
     lease_ms: float = 0.0  # when the request runs: its ledger entry's lease
-    ceiling_ms: float | None = None  # ... and the reserve's atomic check (None: no check)
+    ceiling_ms: float | None = None  # ... and the reserve's atomic checks (None: no check)
+    max_inflight: int | None = None
     unavoidable: float = 0.0  # chance it misses even alone (the promise's feedback)
     chance: float = 0.0  # predicted chance it misses its deadline (the promise's feedback)
     prefill_rate: float = 0.0  # the fleet's prompt tokens a second (``PoolLearning.admitted``)
@@ -216,13 +217,16 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
     alone = (1.0 if outcome is Outcome.PASS  # infeasible: it misses, whatever load
              else unavoidable(cost, capacity, policy, learning, ask.service_class)
              if runs else 0.0)
-    ceiling = decision.ceiling_ms
+    ceiling, most = decision.ceiling_ms, decision.max_inflight
     if ceiling is not None:
         ceiling -= correction.extra_ms
+    if most is not None:
+        most -= correction.extra_inflight
     return Admission(
         outcome, reason, ask.service_class, policy, cost, decision, error,
         lease_ms=decision.completion_ms + config.ledger.lease_grace_ms if runs else 0.0,
         ceiling_ms=ceiling if outcome is Outcome.ADMIT else None,
+        max_inflight=most if outcome is Outcome.ADMIT else None,
         unavoidable=alone,
         chance=(max(alone, miss_chance(cost, decision, policy, learning, ask.service_class))
                 if outcome is Outcome.ADMIT else alone),

@@ -250,3 +250,23 @@ def test_a_tighter_deadline_never_admits_more(deadline: float, tighter: float) -
     loose, tight = Policy(max(deadline, tighter), 0.8), Policy(min(deadline, tighter), 0.8)
     if decide(cost, snap, CAP, tight, now=0.0).admitted:
         assert decide(cost, snap, CAP, loose, now=0.0).admitted
+
+
+def test_an_admission_counts_the_places_its_slack_affords() -> None:
+    """Two gateways that both saw the last free slot must not both take it: the admission
+    says how many requests in flight it tolerates (``max_inflight``), besides the work."""
+    fast = EngineModel(max_num_seqs=2, num_gpu_blocks=0, step_base_ms=1.1, ms_per_seq=0.82)
+    cap = Capacity(replicas=1, engine=fast)
+    cost = Cost(100, 300, typical_tokens=100.0, promised_tokens=150.0)
+    tight = Policy(deadline_ms=1200.0, safety_factor=0.8, ttft_ms=None)
+    one = decide(cost, Snapshot(1, 500.0), cap, tight, 0.0)
+    assert one.admitted and one.position == 0
+    assert one.max_inflight == 2  # the last slot: a wait behind it would not fit 0.96 s
+    loose = Policy(deadline_ms=600_000.0, safety_factor=0.8, ttft_ms=None)
+    queued = decide(cost, Snapshot(1, 500.0), cap, loose, 0.0)
+    assert queued.admitted and queued.max_inflight is not None and queued.max_inflight > 100
+    kv = Capacity(replicas=1, engine=dataclasses.replace(fast, max_num_seqs=64,
+                                                         num_gpu_blocks=16))
+    small = Cost(100, 60, typical_tokens=40.0, promised_tokens=60.0)
+    bound = decide(small, Snapshot(0, 0.0), kv, loose, 0.0)
+    assert bound.admitted and bound.max_inflight == kv.batch_with(Snapshot(0, 0.0), small)

@@ -216,8 +216,9 @@ class RacedLedger(MemoryLedger):
             self.rival = None
         return taken
 
-    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
-        self.answers.append(await super().reserve(entry, ceiling_ms))
+    async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
+                      max_inflight: int | None = None) -> bool:
+        self.answers.append(await super().reserve(entry, ceiling_ms, max_inflight))
         return self.answers[-1]
 
 

@@ -117,6 +117,19 @@ async def test_ceiling_refuses_atomically_and_leaves_ledger_unchanged(ledger: Le
     assert not await ledger.release("b", "p")
 
 
+async def test_the_count_refuses_the_slot_another_gateway_took(ledger: Ledger) -> None:
+    # Two gateways both saw one entry in flight and one slot free (2 slots): each admits with
+    # max_inflight 2 and a work ceiling with room to spare; only the first reserve lands.
+    assert await ledger.reserve(entry("held", 100.0))
+    assert await ledger.reserve(entry("first", 100.0), ceiling_ms=1000.0, max_inflight=2)
+    assert not await ledger.reserve(entry("second", 100.0), ceiling_ms=1000.0, max_inflight=2)
+    assert await ledger.reserve(entry("first", 100.0), ceiling_ms=1000.0, max_inflight=2)  # again
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms) == (2, pytest.approx(200.0))
+    assert await ledger.release("held", "p")
+    assert await ledger.reserve(entry("second", 100.0), ceiling_ms=1000.0, max_inflight=2)
+
+
 async def test_pools_are_independent(ledger: Ledger) -> None:
     await ledger.reserve(entry("a", 100.0, pool="x"))
     await ledger.reserve(entry("b", 200.0, pool="y"))

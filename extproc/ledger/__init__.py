@@ -2,10 +2,11 @@
 
 Contract (every implementation passes the same tests, ``tests/test_ledger_contract.py``):
 
-- ``reserve(entry, ceiling_ms)`` records an admitted request, atomically refusing it when the
-  pool's outstanding work plus ``entry.cost_ms`` would exceed ``ceiling_ms`` (``None``: no
-  check). The request id is the key: reserving an id already present changes nothing and
-  returns True, so a retried reserve never counts twice.
+- ``reserve(entry, ceiling_ms, max_inflight)`` records an admitted request, atomically
+  refusing it when the pool's outstanding work plus ``entry.cost_ms`` would exceed
+  ``ceiling_ms``, or its in-flight count with this entry would exceed ``max_inflight``
+  (``None``: no check). The request id is the key: reserving an id already present changes
+  nothing and returns True, so a retried reserve never counts twice.
 - ``release(request_id, pool)`` removes it exactly once: True the first time, False for a
   double, late or unknown release, which never touch another entry.
 - ``renew(request_id, pool, lease_ms)`` extends the lease of a live entry.
@@ -38,7 +39,8 @@ class Entry:
 
 
 class Ledger(Protocol):
-    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool: ...
+    async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
+                      max_inflight: int | None = None) -> bool: ...
 
     async def release(self, request_id: str, pool: str) -> bool: ...
 

@@ -55,11 +55,14 @@ class LedgerCore:
             pool = self._pools[name] = _Pool()
         return pool
 
-    def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
+    def reserve(self, entry: Entry, ceiling_ms: float | None = None,
+                max_inflight: int | None = None) -> bool:
         pool = self._pool(entry.pool)
         if entry.request_id in pool.entries:
             return True
         if ceiling_ms is not None and pool.outstanding_ms + entry.cost_ms > ceiling_ms:
+            return False
+        if max_inflight is not None and len(pool.entries) + 1 > max_inflight:
             return False
         end = self._clock() + entry.lease_ms / 1000.0
         pool.entries[entry.request_id] = (entry.cost_ms, end, entry.kv_tokens)
@@ -133,8 +136,9 @@ class MemoryLedger:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.core = LedgerCore(clock)
 
-    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
-        return self.core.reserve(entry, ceiling_ms)
+    async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
+                      max_inflight: int | None = None) -> bool:
+        return self.core.reserve(entry, ceiling_ms, max_inflight)
 
     async def release(self, request_id: str, pool: str) -> bool:
         return self.core.release(request_id, pool)

@@ -121,10 +121,12 @@ class RedisLedger:
         base = f"{self.prefix}:{{{pool}}}"
         return f"{base}:leases", f"{base}:costs", f"{base}:total", f"{base}:kv"
 
-    async def reserve(self, entry: Entry, ceiling_ms: float | None = None) -> bool:
+    async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
+                      max_inflight: int | None = None) -> bool:
         self._pools.setdefault(entry.pool)
         args = (entry.request_id, _num(entry.cost_ms), _num(entry.lease_ms),
-                "" if ceiling_ms is None else _num(ceiling_ms), str(int(entry.kv_tokens)))
+                "" if ceiling_ms is None else _num(ceiling_ms), str(int(entry.kv_tokens)),
+                "" if max_inflight is None else str(int(max_inflight)))
         return bool(await self._run("reserve", _RESERVE, self.keys(entry.pool), args))
 
     async def release(self, request_id: str, pool: str) -> bool:

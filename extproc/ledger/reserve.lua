@@ -1,5 +1,6 @@
--- reserve: record an admitted request unless it would push its pool past the ceiling, in one
--- atomic step, so two gateways can never both take the last room.
+-- reserve: record an admitted request unless it would push its pool past the ceiling (work) or
+-- past its count (entries), in one atomic step, so two gateways can never both take the last
+-- room or the last slot.
 --
 -- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
 -- KEYS[2]  costs   hash: request id -> "cost kv" (cost in ms as the gateway sent it, KV tokens)
@@ -10,6 +11,7 @@
 -- ARGV[3]  lease, ms
 -- ARGV[4]  ceiling, ms (decimal), or '' for no check
 -- ARGV[5]  KV tokens (integer)
+-- ARGV[6]  the most entries the pool may hold with this one (integer), or '' for no check
 -- Returns 1 when recorded or already present (a retried reserve counts once), 0 when refused.
 --
 -- Arithmetic is IEEE double, as in the in-process ledger, and the total is stored with 17
@@ -22,6 +24,9 @@ end
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
 local cost = tonumber(ARGV[2])
 if ARGV[4] ~= '' and total + cost > tonumber(ARGV[4]) then
+  return 0
+end
+if ARGV[6] ~= '' and redis.call('ZCARD', KEYS[1]) + 1 > tonumber(ARGV[6]) then
   return 0
 end
 local t = redis.call('TIME')
