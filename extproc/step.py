@@ -90,7 +90,7 @@ class Admission:
     error: RequestError | None = None
     lease_ms: float = 0.0  # when the request runs: its ledger entry's lease
     ceiling_ms: float | None = None  # ... and the reserve's atomic checks (None: no check)
-    max_inflight: int | None = None
+    max_inflight: int | None = None  # ... the most requests in flight it tolerates
     unavoidable: float = 0.0  # chance it misses even alone (the promise's feedback)
     chance: float = 0.0  # predicted chance it misses its deadline (the promise's feedback)
     prefill_rate: float = 0.0  # the fleet's prompt tokens a second (``PoolLearning.admitted``)

@@ -213,20 +213,21 @@ def test_keda_scales_down_only_after_its_window() -> None:
 
 TARGETS = ("naive", "saturation", "tuned", "attainment")
 GAPS = {
-    ("multi-turn", "naive"): "0.89x naive: two-minute conversations end before the promise"
+    ("multi-turn", "naive"): "0.88x naive: two-minute conversations end before the promise"
                              " has loosened to what 16 slots sustain",
-    ("multi-turn", "tuned"): "0.89x the tuned limit (16, naive's)",
-    ("flash-crowd", "naive"): "0.90x naive: the crowd arrives while the promise is strict",
-    ("flash-crowd", "tuned"): "0.90x the tuned limit (16, naive's)",
-    ("flash-crowd", "attainment"): "96.0%: the crowd's first tokens wait behind its prompts"
+    ("multi-turn", "tuned"): "0.88x the tuned limit (16, naive's)",
+    ("flash-crowd", "naive"): "0.88x naive: the crowd arrives while the promise is strict",
+    ("flash-crowd", "tuned"): "0.88x the tuned limit (16, naive's)",
+    ("flash-crowd", "attainment"): "97.7%: the crowd's first tokens wait behind its prompts"
                                    " longer than the backlog model predicts",
-    ("diurnal", "naive"): "0.97x naive: the ramp is over before the promise loosens",
+    ("diurnal", "naive"): "0.998x naive: the ramp is over before the promise loosens",
     ("azure-conv", "naive"): "0.89x naive on a two-minute slice of the trace",
     ("azure-conv", "tuned"): "0.89x the tuned limit (16, naive's)",
-    ("azure-code", "naive"): "0.90x naive on a two-minute slice of the bursty code trace",
-    ("azure-code", "saturation"): "0.89x the saturation detector",
-    ("azure-code", "tuned"): "0.90x the tuned limit (16, naive's)",
-    ("summarisation", "tuned"): "0.80x the tuned limit of 10: KV-bound documents whose"
+    ("azure-code", "naive"): "0.95x naive on a two-minute slice of the bursty code trace",
+    ("azure-code", "saturation"): "0.95x the saturation detector",
+    ("class-mix", "attainment"): "98.95%: TTFT misses of the latency class, which the"
+                                 " gateway does not measure",
+    ("summarisation", "tuned"): "0.79x the tuned limit of 10: KV-bound documents whose"
                                 " prefill stalls the decodes beside them",
 }
 
