@@ -243,10 +243,12 @@ class _Promises:
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         quantile = GaugeMetricFamily(
             "extproc_promise_quantile", "The output-length quantile admission promises each"
-            " request, held by feedback on measured attainment.", labels=["pool", "class"])
+            " request, held by feedback on predicted and measured attainment.",
+            labels=["pool", "class"])
         settled = CounterMetricFamily(
-            "extproc_promise_settled", "Admitted requests whose end fed the promise: within"
-            " their deadline (hit) or past it (miss).", labels=["pool", "class", "result"])
+            "extproc_promise_settled", "Admitted requests resolved for the promise at their"
+            " deadline: completed within it (hit) or not (miss).",
+            labels=["pool", "class", "result"])
         for pool, learning in self.learning.items():
             for cls, promise in learning.promises.items():
                 quantile.add_metric([pool, cls], promise.quantile)
