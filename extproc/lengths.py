@@ -109,6 +109,7 @@ class Lengths:
         self._sums = [0.0] * CELLS
         self._seen = 0.0
         self._cumulative: list[float] | None = None  # running totals, recomputed lazily
+        self._memo: dict[tuple[str, float], float] = {}  # mean / held by cap, until a change
 
     # ---- learning ----
     def observe(self, tokens: float, count: float = 1.0, *, cut: bool = False) -> None:
@@ -139,7 +140,7 @@ class Lengths:
         view = Lengths.__new__(Lengths)
         view.prior, view._prior, view._prior_sums = self.prior, self._prior, self._prior_sums
         view._counts, view._sums = list(self._counts), list(self._sums)
-        view._seen, view._cumulative = self._seen, None
+        view._seen, view._cumulative, view._memo = self._seen, None, {}
         groups: dict[int, tuple[int, float]] = {}
         for b in bounds:
             cell = bisect.bisect_left(GRID, b)
@@ -179,6 +180,7 @@ class Lengths:
         self._sums[cell] += tokens
         self._seen += count
         self._cumulative = None
+        self._memo.clear()
 
     def decay(self, factor: float) -> None:
         """Forget: every observed count times ``factor`` (the prior stays)."""
@@ -186,6 +188,7 @@ class Lengths:
         self._sums = [s * factor for s in self._sums]
         self._seen *= factor
         self._cumulative = None
+        self._memo.clear()
 
     @property
     def seen(self) -> float:
@@ -210,6 +213,9 @@ class Lengths:
 
     def mean(self, cap: float = math.inf) -> float:
         """The mean of ``min(output, cap)``."""
+        known = self._memo.get(("mean", cap))
+        if known is not None:
+            return known
         total = self._totals()[-1]
         k = self._prior_weight
         acc = 0.0
@@ -223,6 +229,7 @@ class Lengths:
                 acc += n * cap
             else:  # the cell holding the cap: its outputs below the cap, the rest at it
                 acc += min(self._sums[i] + k * self._prior_sums[i], n * cap)
+        self._memo[("mean", cap)] = acc / total
         return acc / total
 
     def held(self, cap: float = math.inf) -> float:
@@ -230,6 +237,9 @@ class Lengths:
         of ``o = min(output, cap)`` (each cell's outputs at their mean). A request in flight
         is more likely a long one (it stays longer: the inspection paradox), so with a heavy
         tail this exceeds the mean itself: what the engines' KV caches hold."""
+        known = self._memo.get(("held", cap))
+        if known is not None:
+            return known
         k = self._prior_weight
         first = second = 0.0
         for i in range(CELLS):
@@ -239,7 +249,8 @@ class Lengths:
             o = min((self._sums[i] + k * self._prior_sums[i]) / n, cap)
             first += n * o
             second += n * o * o
-        return second / (2.0 * first) if first > 0 else 0.0
+        self._memo[("held", cap)] = second / (2.0 * first) if first > 0 else 0.0
+        return self._memo[("held", cap)]
 
     def quantile(self, q: float) -> float:
         """The length a share ``q`` of outputs stays within."""
