@@ -65,7 +65,7 @@ bench: setup
 bench-memory: setup
 	$(PY) benchmarks/memory.py
 
-# The evaluation matrix (~20 min on 2 cores; extproc/sim/evaluate.py says what it runs), then
+# The evaluation matrix (~15 min on 2 cores; extproc/sim/evaluate.py says what it runs), then
 # the autoscaling section (~1 min), into out/eval/. Arguments through EVAL_ARGS, e.g.
 # `make eval EVAL_ARGS=--reduced`.
 eval: setup

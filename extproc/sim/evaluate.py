@@ -36,12 +36,10 @@ and attainments stored next to them.
 process's work, deterministic (the scenario depends only on the cell, the simulator only on the
 scenario). ``--reduced`` runs each family once (load 1.5, seed 0, the 16-slot fleet, runs at a
 quarter of the usual size): about 20-45 s on 2 cores. The full matrix (10 families x 3 loads x
-3 fleets x 1 seed, 90 cells, ~11 simulations each) took 1,287 s on the 2-core machine, 2,504
-CPU-seconds, against 1,808 for the same cells before the default learnt its promise from each
-admission and each deadline and its lengths from what still runs: 8b-vllm's cells are the most
-of it (its batches are the largest, so each request costs the most to simulate), then the
-incident's. Families size their runs for that budget (``families.BUDGET``); a second seed
-doubles it.
+3 fleets x 1 seed, 90 cells, ~11 simulations each) took 925 s on the 2-core machine, 1,834
+CPU-seconds: 8b-vllm's cells are the most of it (its batches are the largest, so each request
+costs the most to simulate), then the incident's. Families size their runs for that budget
+(``families.BUDGET``); a second seed doubles it.
 
 **Autoscaling** (``autoscale``, ``extproc eval --autoscale``): the time-varying families
 (``families.TIME_VARYING``) at load 1 on the 16-slot fleet, behind the default admission
