@@ -286,11 +286,14 @@ class PoolLearning:
                 if n >= CLASS_SHARE * total and c in config.classes
                 and not config.classes[c].batch]
 
+    def _several(self) -> bool:
+        """The pool serves more than one class (each ``CLASS_SHARE`` of recent requests)."""
+        total = sum(self._asked.values())
+        return sum(1 for n in self._asked.values() if n >= CLASS_SHARE * total) >= 2
+
     def lengths_for(self, service_class: str) -> Lengths:
         """The lengths a class's requests are priced by (module docstring)."""
-        total = sum(self._asked.values())
-        served = sum(1 for n in self._asked.values() if n >= CLASS_SHARE * total)
-        if served < 2:
+        if not self._several():
             return self._views.get("", self.lengths)
         return self._views.get(service_class) or self._own(service_class)
 

@@ -90,6 +90,20 @@ class Fixed:
         return self.replicas
 
 
+def _stabilized(history: deque[tuple[float, int]], now_s: float, raw: int, current: int,
+                low: int, high: int, window_s: float) -> int:
+    """The HPA's last step, for the HPA and for KEDA (which drives one): the wish clamped to
+    the bounds, and a scale-down only as far as the highest wish of the stabilization
+    window."""
+    raw = max(low, min(high, raw))
+    history.append((now_s, raw))
+    while history and history[0][0] < now_s - window_s:
+        history.popleft()
+    if raw < current:
+        return max(raw, min(current, max(r for _, r in history)))
+    return raw
+
+
 @dataclass
 class HpaUtilization:
     target: float = 0.75
@@ -109,14 +123,8 @@ class HpaUtilization:
             if obs.ready < raw <= requested:
                 raw = requested  # what is still starting already covers it
         raw = min(raw, math.ceil(max(requested, 1) * self.max_step))
-        raw = max(self.min_replicas, min(self.max_replicas, raw))
-        history = self._history
-        history.append((obs.now_s, raw))
-        while history and history[0][0] < obs.now_s - self.scale_down_window_s:
-            history.popleft()
-        if raw < requested:  # scale down only as far as the window's highest wish
-            return max(raw, min(requested, max(r for _, r in history)))
-        return raw
+        return _stabilized(self._history, obs.now_s, raw, requested, self.min_replicas,
+                           self.max_replicas, self.scale_down_window_s)
 
 
 @dataclass
@@ -185,14 +193,8 @@ class KedaWaiting:
         else:
             raw = math.ceil(obs.waiting / self.target - 1e-9)
         raw = min(raw, max(2 * current, current + 4))
-        raw = max(self.min_replicas, min(self.max_replicas, raw))
-        history = self._history
-        history.append((obs.now_s, raw))
-        while history and history[0][0] < obs.now_s - self.scale_down_window_s:
-            history.popleft()
-        if raw < current:  # scale down only as far as the window's highest wish
-            return max(raw, min(current, max(r for _, r in history)))
-        return raw
+        return _stabilized(self._history, obs.now_s, raw, current, self.min_replicas,
+                           self.max_replicas, self.scale_down_window_s)
 
 
 AUTOSCALERS = ("hpa", "recommender", "keda")
