@@ -112,6 +112,7 @@ batch being full, and the hint is at least the time a replica takes to free a sl
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from statistics import NormalDist
@@ -143,6 +144,9 @@ class Reason(StrEnum):
     UNSUPPORTED_MEDIA = "unsupported_media"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
     PROCESSOR_OVERLOADED = "processor_overloaded"  # shed before deciding (extproc.server)
+    PRIORITY = "priority"  # the room is kept for higher priorities' expected arrivals
+    FAIR_SHARE = "fair_share"  # its tenant is over its share of a contended pool
+    TENANT_CAP = "tenant_cap"  # its tenant is at a configured hard cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +186,9 @@ class Snapshot:
     outstanding_ms: float
     kv_tokens: int = 0  # the KV cache its requests hold (``Cost.kv`` each)
     prefill_tokens: float = 0.0  # prompt tokens admitted and not prefilled yet (docstring)
+    # per group (a priority ``p:<level>`` or tenant ``t:<name>``, extproc.share) with requests
+    # in flight: (in flight, outstanding ms)
+    groups: Mapping[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

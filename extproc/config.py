@@ -21,6 +21,7 @@ import yaml
 from extproc.autoscale import ScalingPolicy
 from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
+from extproc.share import MAX_LEVEL, parse_priority
 
 T = TypeVar("T")
 
@@ -61,6 +62,7 @@ class ClassPolicy:
     safety_factor: float
     ttft_ms: float | None = None
     batch: bool = False  # takes only capacity the other classes' demand leaves (admission)
+    priority: int | None = None  # its requests' priority (extproc.share); None: the default
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,26 @@ class TenantSource(StrEnum):
 
 
 @dataclass(frozen=True)
+class TenantPolicy:
+    """What one tenant is entitled to (extproc.share): its weight in fair shares, its
+    requests' priority, and optional hard caps the ledger enforces atomically."""
+
+    weight: float = 1.0
+    priority: int | None = None  # None: from the header, then the class, then the default
+    max_inflight: int | None = None  # the most requests it may have in flight
+    max_outstanding_s: float | None = None  # the most GPU-seconds of work it may owe
+
+
+@dataclass(frozen=True)
+class PriorityConfig:
+    """Where a request's priority comes from (extproc.share), first that names one: the
+    header (set by Envoy, never by the client), its tenant's, its class's, ``default``."""
+
+    header: str | None = None
+    default: int = 0
+
+
+@dataclass(frozen=True)
 class TenantConfig:
     source: TenantSource = TenantSource.NONE
     metadata_namespace: str = "envoy.filters.http.jwt_authn"
@@ -217,6 +239,12 @@ class TenantConfig:
     header: str = "x-tenant-id"
     known: tuple[str, ...] = ()  # tenants that are metric labels; the rest count as "other"
     default: str = "anonymous"  # charged when no tenant is named
+    fair_share: bool = True  # contended pools are shared max-min by weight (extproc.share)
+    tenants: Mapping[str, TenantPolicy] = field(default_factory=dict)
+    others: TenantPolicy = field(default_factory=TenantPolicy)  # every tenant not listed
+
+    def policy(self, name: str) -> TenantPolicy:
+        return self.tenants.get(name, self.others)
 
 
 @dataclass(frozen=True)
@@ -253,6 +281,7 @@ class Config:
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     keda_listen: str | None = None  # KEDA external scaler gRPC (HOST:PORT); None: off
     tenant: TenantConfig = field(default_factory=TenantConfig)
+    priority: PriorityConfig = field(default_factory=PriorityConfig)
     tls: ServerTls | None = None  # mTLS on ``listen``; None: plaintext (loopback, unix)
 
     def route(self, path: str) -> Route | None:
@@ -442,6 +471,7 @@ def from_mapping(raw: Any) -> Config:
         autoscale=autoscale,
         keda_listen=r.take(top, "", "keda_listen", str, "", _address) or None,
         tenant=_tenant(r, top.pop("tenant", None)),
+        priority=_priority(r, top.pop("priority", None)),
         tls=_server_tls(r, top.pop("tls", None)),
     )
     r.leftovers(top, "")
@@ -670,9 +700,43 @@ def _classes(r: _Reader, raw: Any) -> dict[str, ClassPolicy]:
             ttft_ms=ttft or None,
             safety_factor=r.take(body, p, "safety_factor", float, 0.8, _fraction),
             batch=r.take(body, p, "batch", _flag, False),
+            priority=r.take(body, p, "priority", _level, None),
         )
         r.leftovers(body, p)
     return out
+
+
+def _level(value: Any) -> int:
+    level = parse_priority(value)
+    if level is None:
+        raise ValueError(f"must be critical, standard, sheddable or a whole number in"
+                         f" [-{MAX_LEVEL}, {MAX_LEVEL}]")
+    return level
+
+
+def _priority(r: _Reader, raw: Any) -> PriorityConfig:
+    p = "priority."
+    body = r.section(raw, "priority")
+    config = PriorityConfig(
+        header=r.take(body, p, "header", str, "", _header_name) or None,
+        default=r.take(body, p, "default", _level, 0),
+    )
+    r.leftovers(body, p)
+    return config
+
+
+def _tenant_policy(r: _Reader, raw: Any, p: str) -> TenantPolicy:
+    body = r.section(raw, p.rstrip("."))
+    inflight = r.take(body, p, "max_inflight", int, 0,
+                      lambda v: None if v >= 1 else "must be >= 1")
+    policy = TenantPolicy(
+        weight=r.take(body, p, "weight", float, 1.0, _positive),
+        priority=r.take(body, p, "priority", _level, None),
+        max_inflight=inflight or None,
+        max_outstanding_s=r.take(body, p, "max_outstanding_s", float, 0.0, _positive) or None,
+    )
+    r.leftovers(body, p)
+    return policy
 
 
 def _routes(r: _Reader, raw: Any, classes: Mapping[str, ClassPolicy]) -> tuple[Route, ...]:
@@ -905,7 +969,15 @@ def _tenant(r: _Reader, raw: Any) -> TenantConfig:
         header=r.take(body, p, "header", str, d.header, _header_name),
         known=tuple(known),
         default=r.take(body, p, "default", str, d.default, _tenant_name),
+        fair_share=r.take(body, p, "fair_share", _flag, d.fair_share),
+        tenants={name: _tenant_policy(r, policy, f"{p}tenants.{name}.")
+                 for name, policy in r.section(body.pop("tenants", None),
+                                               f"{p}tenants").items()},
+        others=_tenant_policy(r, body.pop("others", None), f"{p}others."),
     )
+    for name in config.tenants:
+        if (why := _tenant_name(name)) is not None:
+            r.problems.append(f"{p}tenants: {why} (got {name!r})")
     r.leftovers(body, p)
     return config
 

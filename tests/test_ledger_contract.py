@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from extproc import config
-from extproc.ledger import Entry, Ledger
+from extproc.ledger import Cap, Entry, Ledger
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 from tests.redis_server import RedisClusterNodes, RedisServer
@@ -53,8 +53,9 @@ async def ledger(request: pytest.FixtureRequest) -> AsyncIterator[Ledger]:
 
 
 def entry(rid: str, cost: float = 100.0, pool: str = "p", lease_ms: float = 60_000,
-          kv: int = 1000) -> Entry:
-    return Entry(request_id=rid, pool=pool, cost_ms=cost, lease_ms=lease_ms, kv_tokens=kv)
+          kv: int = 1000, groups: tuple[str, ...] = ()) -> Entry:
+    return Entry(request_id=rid, pool=pool, cost_ms=cost, lease_ms=lease_ms, kv_tokens=kv,
+                 groups=groups)
 
 
 async def test_empty_pool_snapshot(ledger: Ledger) -> None:
@@ -193,3 +194,46 @@ async def test_memory_ledger_lease_heap_stays_proportional_to_live_entries() -> 
     assert len(core._pools["p"].leases) <= 2 * 10 + 64
     for i in range(9_990, 10_000):
         assert core.release(f"r{i}", "p")
+
+
+async def test_groups_count_and_weigh_their_entries_through_every_operation(
+        ledger: Ledger) -> None:
+    acme, std, crit = "t:acme", "p:0", "p:1"
+    await ledger.reserve(entry("a", 100.0, groups=(std, acme)))
+    await ledger.reserve(entry("b", 250.5, groups=(crit, acme)))
+    await ledger.reserve(entry("c", 40.0, groups=(std, "t:other%20co")))
+    await ledger.reserve(entry("a", 100.0, groups=(std, acme)))  # a retry counts once
+    snap = await ledger.snapshot("p")
+    assert snap.groups == {acme: (2, 350.5), std: (2, 140.0), crit: (1, 250.5),
+                           "t:other%20co": (1, 40.0)}
+    assert await ledger.adjust("b", "p", 200.5)  # its groups' work follows
+    assert (await ledger.snapshot("p")).groups[acme] == (2, 300.5)
+    await ledger.reserve(entry("short", 7.0, lease_ms=50, groups=(crit,)))
+    await asyncio.sleep(0.15)
+    assert await ledger.expire() == 1  # an expired entry leaves its groups too
+    assert (await ledger.snapshot("p")).groups[crit] == (1, 200.5)
+    assert await ledger.release("a", "p")
+    assert not await ledger.release("a", "p")  # a double release touches no group
+    assert (await ledger.snapshot("p")).groups == {acme: (1, 200.5), std: (1, 40.0),
+                                                    crit: (1, 200.5), "t:other%20co": (1, 40.0)}
+    assert await ledger.release("b", "p")
+    assert await ledger.release("c", "p")
+    assert (await ledger.snapshot("p")).groups == {}  # emptied groups leave nothing
+
+
+async def test_caps_refuse_atomically_per_group_and_change_nothing(ledger: Ledger) -> None:
+    cap = (Cap("t:acme", max_inflight=2, max_ms=500.0),)
+    assert await ledger.reserve(entry("a", 200.0, groups=("t:acme",)), caps=cap)
+    assert await ledger.reserve(entry("b", 200.0, groups=("t:acme",)), caps=cap)
+    before = await ledger.snapshot("p")
+    assert not await ledger.reserve(entry("c", 1.0, groups=("t:acme",)), caps=cap)  # count
+    assert await ledger.release("b", "p")
+    assert not await ledger.reserve(entry("d", 300.5, groups=("t:acme",)), caps=cap)  # work
+    assert await ledger.reserve(entry("e", 300.0, groups=("t:acme",)), caps=cap)  # exactly
+    # another tenant's entries are not the capped group's
+    assert await ledger.reserve(entry("f", 900.0, groups=("t:beta",)),
+                                caps=(Cap("t:beta", max_inflight=1),))
+    snap = await ledger.snapshot("p")
+    assert snap.groups["t:acme"] == (2, 500.0)
+    assert (snap.inflight, before.inflight) == (3, 2)
+    assert await ledger.reserve(entry("e", 300.0, groups=("t:acme",)), caps=cap)  # a retry

@@ -5,6 +5,7 @@ atomicity across OS processes, fast failure and recovery, and every deployment f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -78,9 +79,9 @@ async def ledger(server: RedisServer) -> AsyncIterator[RedisLedger]:
 
 # --- layout, time, scripts -------------------------------------------------------------------
 
-async def test_a_pool_is_three_keys_in_one_slot_and_an_empty_pool_leaves_none(
+async def test_a_pool_is_five_keys_in_one_slot_and_an_empty_pool_leaves_none(
         server: RedisServer, ledger: RedisLedger) -> None:
-    await ledger.reserve(entry("a", 10.0))
+    await ledger.reserve(dataclasses.replace(entry("a", 10.0), groups=("p:0", "t:acme")))
     keys = ledger.keys("p")
     assert all(":{p}:" in k for k in keys)
     assert len({key_slot(k.encode()) for k in keys}) == 1
@@ -189,9 +190,9 @@ def once(url: str, prefix: str, call: Callable[[RedisLedger], Awaitable[T]]) -> 
 
 def dump(server: RedisServer, ledger: RedisLedger) -> tuple[Any, ...]:
     r = server.client()
-    leases, costs, total, kv = ledger.keys("p")
+    leases, costs, total, kv, groups = ledger.keys("p")
     return (r.zrange(leases, 0, -1, withscores=True), r.hgetall(costs), r.get(total),
-            r.get(kv))
+            r.get(kv), r.hgetall(groups))
 
 
 def test_processes_racing_for_one_ceiling_never_exceed_it_and_refusals_change_nothing(
@@ -341,8 +342,8 @@ async def test_unix_socket() -> None:
 
 # The least privilege the ledger needs (also in docs/redis-ledger.md).
 LEDGER_ACL = ("ledger on >{password} resetkeys ~extproc:* resetchannels -@all +evalsha +eval"
-              " +zadd +zscore +zcard +zrem +zrangebyscore +hget +hset +hdel +get +set +del +incrby"
-              " +decrby +time"
+              " +zadd +zscore +zcard +zrem +zrangebyscore +hget +hset +hdel +hgetall +get +set"
+              " +del +incrby +decrby +time"
               " +config|get")
 
 

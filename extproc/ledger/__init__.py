@@ -2,11 +2,12 @@
 
 Contract (every implementation passes the same tests, ``tests/test_ledger_contract.py``):
 
-- ``reserve(entry, ceiling_ms, max_inflight)`` records an admitted request, atomically
+- ``reserve(entry, ceiling_ms, max_inflight, caps)`` records an admitted request, atomically
   refusing it when the pool's outstanding work plus ``entry.cost_ms`` would exceed
   ``ceiling_ms``, or its in-flight count with this entry would exceed ``max_inflight``
-  (``None``: no check). The request id is the key: reserving an id already present changes
-  nothing and returns True, so a retried reserve never counts twice.
+  (``None``: no check), or a group's count or work would pass its ``Cap``. The request id is
+  the key: reserving an id already present changes nothing and returns True, so a retried
+  reserve never counts twice.
 - ``release(request_id, pool)`` removes it exactly once: True the first time, False for a
   double, late or unknown release, which never touch another entry.
 - ``renew(request_id, pool, lease_ms)`` extends the lease of a live entry.
@@ -16,13 +17,17 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 - ``expire()`` drops entries whose lease ended (their gateway died or lost the stream); a
   backstop, never the normal path.
 - ``snapshot(pool)`` is the decision's input: in-flight count, outstanding work and the KV
-  tokens the entries will hold (each entry's ``kv_tokens``, its prompt and typical output).
+  tokens the entries will hold (each entry's ``kv_tokens``, its prompt and typical output),
+  and per group with entries, its count and work.
+- Groups (``entry.groups``: its priority and tenant, ``extproc.share``) are counted with the
+  totals, in the same atomic steps; a group whose last entry goes leaves nothing behind.
 
 Leases are measured by the ledger's own clock, never the caller's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,11 +41,21 @@ class Entry:
     cost_ms: float  # the request's estimated service time, its share of outstanding work
     lease_ms: float  # how long the entry lives without a renewal or release
     kv_tokens: int = 0  # the KV cache it will hold: prompt + typical output
+    groups: tuple[str, ...] = ()  # the groups it counts in (names without spaces)
+
+
+@dataclass(frozen=True, slots=True)
+class Cap:
+    """A group's hard limit, checked by ``reserve`` with the entry counted."""
+
+    group: str
+    max_inflight: int | None = None
+    max_ms: float | None = None
 
 
 class Ledger(Protocol):
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                      max_inflight: int | None = None) -> bool: ...
+                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool: ...
 
     async def release(self, request_id: str, pool: str) -> bool: ...
 
@@ -56,4 +71,4 @@ class Ledger(Protocol):
     async def close(self) -> None: ...
 
 
-__all__ = ["Entry", "Ledger", "Snapshot"]
+__all__ = ["Cap", "Entry", "Ledger", "Snapshot"]

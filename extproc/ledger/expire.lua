@@ -3,15 +3,34 @@
 -- the caller repeats while a full batch came back.
 --
 -- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
--- KEYS[2]  costs   hash: request id -> "cost kv"
+-- KEYS[2]  costs   hash: request id -> "cost kv group..."
 -- KEYS[3]  total   string: the pool's outstanding work in ms
 -- KEYS[4]  kv      string: the KV tokens the pool's entries hold
+-- KEYS[5]  groups  hash: group -> "count work" of the entries counted in it
 -- ARGV[1]  most entries to drop
 -- Returns the number dropped.
-local function split(v)  -- "cost kv" (or "cost", from before kv was kept): numbers
-  local sep = string.find(v, ' ', 1, true)
-  if not sep then return tonumber(v), 0 end
-  return tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
+local function split(v)  -- "cost kv group..." (kv and groups may be absent): cost, kv, groups
+  local parts = {}
+  for w in string.gmatch(v, '%S+') do parts[#parts + 1] = w end
+  local groups = {}
+  for i = 3, #parts do groups[#groups + 1] = parts[i] end
+  return tonumber(parts[1]), tonumber(parts[2] or '0'), groups
+end
+local function uncount(key, groups, cost)  -- one entry of cost leaves its groups
+  for _, g in ipairs(groups) do
+    local v = redis.call('HGET', key, g)
+    if v then
+      local sep = string.find(v, ' ', 1, true)
+      local n = tonumber(string.sub(v, 1, sep - 1)) - 1
+      if n <= 0 then
+        redis.call('HDEL', key, g)
+      else
+        local work = tonumber(string.sub(v, sep + 1)) - cost
+        if work < 0 then work = 0 end
+        redis.call('HSET', key, g, string.format('%d %.17g', n, work))
+      end
+    end
+  end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -23,15 +42,16 @@ end
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
 local kvs = 0
 for _, id in ipairs(ids) do
-  local cost, kv = split(redis.call('HGET', KEYS[2], id) or '0')
+  local cost, kv, groups = split(redis.call('HGET', KEYS[2], id) or '0')
   redis.call('HDEL', KEYS[2], id)
+  uncount(KEYS[5], groups, cost)
   redis.call('ZREM', KEYS[1], id)
   total = total - cost
   if total < 0 then total = 0 end
   kvs = kvs + kv
 end
 if redis.call('ZCARD', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[3], KEYS[4])
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
 else
   redis.call('SET', KEYS[3], string.format('%.17g', total))
   redis.call('DECRBY', KEYS[4], kvs)

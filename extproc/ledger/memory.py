@@ -17,29 +17,52 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from extproc.admission import Snapshot
-from extproc.ledger import Entry
+from extproc.ledger import Cap, Entry
 
 _EMPTY = Snapshot(inflight=0, outstanding_ms=0.0)
 
 
 @dataclass
 class _Pool:
-    entries: dict[str, tuple[float, float, int]] = field(  # id -> (cost, lease end, kv)
-        default_factory=dict)
+    # id -> (cost, lease end, kv, groups)
+    entries: dict[str, tuple[float, float, int, tuple[str, ...]]] = field(default_factory=dict)
     outstanding_ms: float = 0.0
     kv_tokens: int = 0
     leases: list[tuple[float, str]] = field(default_factory=list)
+    groups: dict[str, tuple[int, float]] = field(default_factory=dict)  # -> (count, work)
+
+    def count(self, groups: tuple[str, ...], cost: float, sign: int) -> None:
+        """Add (``sign`` 1) or remove (-1) one entry of ``cost`` from its groups; a group's
+        work is summed as the pool's total is, and an emptied group is dropped."""
+        for g in groups:
+            n, work = self.groups.get(g, (0, 0.0))
+            n += sign
+            if n <= 0:
+                self.groups.pop(g, None)
+            else:
+                self.groups[g] = (n, max(0.0, work + cost) if sign > 0
+                                  else max(0.0, work - cost))
 
 
 def _compact(p: _Pool) -> None:
     """Rebuild the lease heap from the live entries once stale items dominate it."""
     if len(p.leases) > 2 * len(p.entries) + 64:
-        p.leases = [(end, rid) for rid, (_, end, _) in p.entries.items()]
+        p.leases = [(end, rid) for rid, (_, end, _, _) in p.entries.items()]
         heapq.heapify(p.leases)
+
+
+def _capped(p: _Pool, cost: float, caps: Sequence[Cap]) -> bool:
+    for cap in caps:
+        n, work = p.groups.get(cap.group, (0, 0.0))
+        if cap.max_inflight is not None and n + 1 > cap.max_inflight:
+            return True
+        if cap.max_ms is not None and work + cost > cap.max_ms:
+            return True
+    return False
 
 
 class LedgerCore:
@@ -56,7 +79,7 @@ class LedgerCore:
         return pool
 
     def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                max_inflight: int | None = None) -> bool:
+                max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool:
         pool = self._pool(entry.pool)
         if entry.request_id in pool.entries:
             return True
@@ -64,10 +87,13 @@ class LedgerCore:
             return False
         if max_inflight is not None and len(pool.entries) + 1 > max_inflight:
             return False
+        if _capped(pool, entry.cost_ms, caps):
+            return False
         end = self._clock() + entry.lease_ms / 1000.0
-        pool.entries[entry.request_id] = (entry.cost_ms, end, entry.kv_tokens)
+        pool.entries[entry.request_id] = (entry.cost_ms, end, entry.kv_tokens, entry.groups)
         pool.outstanding_ms += entry.cost_ms
         pool.kv_tokens += entry.kv_tokens
+        pool.count(entry.groups, entry.cost_ms, +1)
         heapq.heappush(pool.leases, (end, entry.request_id))
         return True
 
@@ -75,10 +101,11 @@ class LedgerCore:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
-        cost, _, kv = p.entries.pop(request_id)
+        cost, _, kv, groups = p.entries.pop(request_id)
         # Floating-point sums drift: an empty pool owes exactly nothing.
         p.outstanding_ms = max(0.0, p.outstanding_ms - cost) if p.entries else 0.0
         p.kv_tokens -= kv
+        p.count(groups, cost, -1)
         if not p.entries:
             p.leases.clear()
         _compact(p)
@@ -88,9 +115,9 @@ class LedgerCore:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
-        cost, _, kv = p.entries[request_id]
+        cost, _, kv, groups = p.entries[request_id]
         end = self._clock() + lease_ms / 1000.0
-        p.entries[request_id] = (cost, end, kv)
+        p.entries[request_id] = (cost, end, kv, groups)
         heapq.heappush(p.leases, (end, request_id))
         _compact(p)
         return True
@@ -100,11 +127,14 @@ class LedgerCore:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
-        old, end, kv = p.entries[request_id]
+        old, end, kv, groups = p.entries[request_id]
         new_kv = kv if kv_tokens is None else kv_tokens
-        p.entries[request_id] = (cost_ms, end, new_kv)
+        p.entries[request_id] = (cost_ms, end, new_kv, groups)
         p.outstanding_ms = max(0.0, p.outstanding_ms - old + cost_ms)
         p.kv_tokens += new_kv - kv
+        for g in groups:
+            n, work = p.groups[g]
+            p.groups[g] = (n, max(0.0, work - old + cost_ms))
         return True
 
     def expire(self) -> int:
@@ -124,7 +154,7 @@ class LedgerCore:
         if p is None:
             return _EMPTY
         return Snapshot(inflight=len(p.entries), outstanding_ms=p.outstanding_ms,
-                        kv_tokens=p.kv_tokens)
+                        kv_tokens=p.kv_tokens, groups=dict(p.groups))
 
     def close(self) -> None:
         self._pools.clear()
@@ -137,8 +167,8 @@ class MemoryLedger:
         self.core = LedgerCore(clock)
 
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                      max_inflight: int | None = None) -> bool:
-        return self.core.reserve(entry, ceiling_ms, max_inflight)
+                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool:
+        return self.core.reserve(entry, ceiling_ms, max_inflight, caps)
 
     async def release(self, request_id: str, pool: str) -> bool:
         return self.core.release(request_id, pool)

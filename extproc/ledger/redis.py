@@ -9,6 +9,7 @@ every script touches a single slot (never CROSSSLOT)::
     <prefix>:{<pool>}:costs    hash        request id -> "cost kv" (ms, KV tokens)
     <prefix>:{<pool>}:total    string      sum of the costs: the pool's outstanding work (ms)
     <prefix>:{<pool>}:kv       string      sum of the KV tokens the entries will hold
+    <prefix>:{<pool>}:groups   hash        group -> "count work" (a priority or tenant's entries)
 
 Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header):
 ``reserve`` checks the ceiling and records in one atomic step, ``release`` removes exactly once,
@@ -54,7 +55,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from extproc.admission import Snapshot
 from extproc.config import LedgerConfig
 from extproc.errors import ConfigError, LedgerUnavailable
-from extproc.ledger import Entry
+from extproc.ledger import Cap, Entry
 from extproc.ledger.breaker import Breaker, State
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,12 @@ class _Script:
 
 _RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT = (
     _Script(n) for n in ("reserve", "release", "renew", "adjust", "expire", "snapshot"))
+
+
+def _group(name: str) -> str:
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"a ledger group is a name without spaces (got {name!r})")
+    return name
 
 
 def _num(value: float) -> str:
@@ -116,17 +123,24 @@ class RedisLedger:
         return cls(client, key_prefix=config.key_prefix, pools=pools, breaker=breaker,
                    where=describe(config), extra_clients=extra)
 
-    def keys(self, pool: str) -> tuple[str, str, str, str]:
-        """The pool's leases, costs, total and kv keys (one hash tag: one Cluster slot)."""
+    def keys(self, pool: str) -> tuple[str, str, str, str, str]:
+        """The pool's leases, costs, total, kv and groups keys (one hash tag: one Cluster
+        slot)."""
         base = f"{self.prefix}:{{{pool}}}"
-        return f"{base}:leases", f"{base}:costs", f"{base}:total", f"{base}:kv"
+        return (f"{base}:leases", f"{base}:costs", f"{base}:total", f"{base}:kv",
+                f"{base}:groups")
 
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                      max_inflight: int | None = None) -> bool:
+                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool:
         self._pools.setdefault(entry.pool)
-        args = (entry.request_id, _num(entry.cost_ms), _num(entry.lease_ms),
+        args = [entry.request_id, _num(entry.cost_ms), _num(entry.lease_ms),
                 "" if ceiling_ms is None else _num(ceiling_ms), str(int(entry.kv_tokens)),
-                "" if max_inflight is None else str(int(max_inflight)))
+                "" if max_inflight is None else str(int(max_inflight)),
+                " ".join(_group(g) for g in entry.groups)]
+        for cap in caps:
+            args += [_group(cap.group),
+                     "" if cap.max_inflight is None else str(int(cap.max_inflight)),
+                     "" if cap.max_ms is None else _num(cap.max_ms)]
         return bool(await self._run("reserve", _RESERVE, self.keys(entry.pool), args))
 
     async def release(self, request_id: str, pool: str) -> bool:
@@ -138,9 +152,9 @@ class RedisLedger:
 
     async def adjust(self, request_id: str, pool: str, cost_ms: float,
                      kv_tokens: int | None = None) -> bool:
-        _, costs, total, kv = self.keys(pool)
+        _, costs, total, kv, groups = self.keys(pool)
         args = (request_id, _num(cost_ms), "" if kv_tokens is None else str(int(kv_tokens)))
-        return bool(await self._run("adjust", _ADJUST, (costs, total, kv), args))
+        return bool(await self._run("adjust", _ADJUST, (costs, total, kv, groups), args))
 
     async def expire(self) -> int:
         """Drop lapsed entries of every known pool, ``sweep_batch`` per script call and at
@@ -158,11 +172,15 @@ class RedisLedger:
         return dropped
 
     async def snapshot(self, pool: str) -> Snapshot:
-        leases, _, total, kv = self.keys(pool)
-        count, outstanding, tokens = await self._run("snapshot", _SNAPSHOT, (leases, total, kv),
-                                                     ())
+        leases, _, total, kv, groups = self.keys(pool)
+        count, outstanding, tokens, flat = await self._run(
+            "snapshot", _SNAPSHOT, (leases, total, kv, groups), ())
+        counted: dict[str, tuple[int, float]] = {}
+        for name, value in zip(flat[::2], flat[1::2], strict=True):
+            n, work = _text(value).split(" ", 1)
+            counted[_text(name)] = (int(n), float(work))
         return Snapshot(inflight=int(count), outstanding_ms=float(outstanding),
-                        kv_tokens=int(tokens))
+                        kv_tokens=int(tokens), groups=counted)
 
     async def check(self) -> None:
         """Probe every known pool (the health signal); the first success also inspects the

@@ -3,7 +3,8 @@
 -- room or the last slot.
 --
 -- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
--- KEYS[2]  costs   hash: request id -> "cost kv" (cost in ms as the gateway sent it, KV tokens)
+-- KEYS[2]  costs   hash: request id -> "cost kv group..." (cost in ms as the gateway sent it,
+--                  KV tokens, the groups it counts in)
 -- KEYS[3]  total   string: the pool's outstanding work in ms (sum of costs), kept by these scripts
 -- KEYS[4]  kv      string: the KV tokens the pool's entries hold (sum of kv), kept likewise
 -- ARGV[1]  request id
@@ -12,6 +13,8 @@
 -- ARGV[4]  ceiling, ms (decimal), or '' for no check
 -- ARGV[5]  KV tokens (integer)
 -- ARGV[6]  the most entries the pool may hold with this one (integer), or '' for no check
+-- ARGV[7]  the groups it counts in, space-separated (names hold no space), or ''
+-- ARGV[8..] caps, three arguments each: group, most entries ('' none), most work ms ('' none)
 -- Returns 1 when recorded or already present (a retried reserve counts once), 0 when refused.
 --
 -- Arithmetic is IEEE double, as in the in-process ledger, and the total is stored with 17
@@ -29,10 +32,40 @@ end
 if ARGV[6] ~= '' and redis.call('ZCARD', KEYS[1]) + 1 > tonumber(ARGV[6]) then
   return 0
 end
+local counts = {}  -- group -> {count, work} as they stand
+local function group(g)
+  if counts[g] == nil then
+    local v = redis.call('HGET', KEYS[5], g)
+    if v then
+      local sep = string.find(v, ' ', 1, true)
+      counts[g] = {tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))}
+    else
+      counts[g] = {0, 0}
+    end
+  end
+  return counts[g]
+end
+for i = 8, #ARGV, 3 do
+  local c = group(ARGV[i])
+  if ARGV[i + 1] ~= '' and c[1] + 1 > tonumber(ARGV[i + 1]) then
+    return 0
+  end
+  if ARGV[i + 2] ~= '' and c[2] + cost > tonumber(ARGV[i + 2]) then
+    return 0
+  end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 redis.call('ZADD', KEYS[1], string.format('%.17g', now + tonumber(ARGV[3])), id)
-redis.call('HSET', KEYS[2], id, ARGV[2] .. ' ' .. ARGV[5])
+local value = ARGV[2] .. ' ' .. ARGV[5]
+for g in string.gmatch(ARGV[7], '%S+') do
+  value = value .. ' ' .. g
+  local c = group(g)
+  local work = c[2] + cost
+  if work < 0 then work = 0 end
+  redis.call('HSET', KEYS[5], g, string.format('%d %.17g', c[1] + 1, work))
+end
+redis.call('HSET', KEYS[2], id, value)
 redis.call('SET', KEYS[3], string.format('%.17g', total + cost))
 redis.call('INCRBY', KEYS[4], ARGV[5])
 return 1
