@@ -52,6 +52,7 @@ class Record:
     output_tokens: int | None = None  # only when a source knows it (never the gateway today)
     tenant: str | None = None  # who was charged, when tenant attribution is on
     promised_tokens: float | None = None  # the output length its admission was promised on
+    priority: int | None = None  # its priority level (extproc.share)
 
     def to_json(self) -> str:
         row: dict[str, Any] = {
@@ -69,6 +70,8 @@ class Record:
             row["tenant"] = self.tenant
         if self.promised_tokens is not None:
             row["promised_tokens"] = self.promised_tokens
+        if self.priority is not None:
+            row["priority"] = self.priority
         return json.dumps(row, separators=(",", ":"))
 
 
@@ -138,6 +141,7 @@ def _record(raw: Any, where: str) -> Record:
             output_tokens=None if raw.get("output_tokens") is None
             else int(raw["output_tokens"]),
             tenant=None if raw.get("tenant") is None else str(raw["tenant"]),
+            priority=None if raw.get("priority") is None else int(raw["priority"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError([f"{where}: bad decision record ({exc!r})"]) from exc

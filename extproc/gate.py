@@ -85,9 +85,19 @@ from extproc.ledger import Entry, Ledger
 from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.request import InferenceRequest, parse
-from extproc.step import NO_CORRECTION, Admission, Ask, admit, charge_of, kv_of, running_of
+from extproc.share import parse_priority, priority_label
+from extproc.step import (
+    NO_CORRECTION,
+    Admission,
+    Ask,
+    admit,
+    charge_of,
+    kv_of,
+    priority_of,
+    running_of,
+)
 from extproc.telemetry import DecisionSpan, Tracing
-from extproc.tenant import Tenant
+from extproc.tenant import Tenant, Tenants
 
 if TYPE_CHECKING:
     from extproc.control import Control
@@ -115,6 +125,7 @@ class Ticket:
     renewer: asyncio.Task[None] | None = field(default=None, repr=False)
     cost_ms: float = 0.0  # its ledger charge
     kv_tokens: int = 0  # the KV tokens its ledger entry holds
+    groups: tuple[str, ...] = ()  # ... and the groups it counts in (priority, tenant)
     recorded: bool = True  # False when admitted while the ledger was unavailable
     settled: bool = False  # set by ``Gate.settle``: the renewer stops even if its cancel is lost
     correction: asyncio.Task[None] | None = field(default=None, repr=False)  # exact count
@@ -197,6 +208,7 @@ class Gate:
             p.name: counter_for(p) for p in config.pools
         }
         self._views: dict[str, _View] = {}
+        self._labels = Tenants(config.tenant)  # tenant names -> bounded metric labels
         self._counting = concurrent.futures.ThreadPoolExecutor(1, "extproc-count")
         self._pending_counts = 0  # corrections waiting for or running on that thread
         self._calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
@@ -314,8 +326,11 @@ class Gate:
             ask, uncounted = await self._ask(request, pool, cls, deadline, replicas, engines)
         except RequestError as exc:
             return self._refuse(exc, pool.name, cls)
+        who = tenant.name if tenant is not None else None
+        ask = dataclasses.replace(ask, tenant=who, priority=priority_of(
+            self.config, cls, who, self._stated_priority(headers)))
         self.learning[pool.name].arrived(cls, self.config.classes[cls].batch, self._clock(),
-                                         ask.prompt_tokens)
+                                         ask.prompt_tokens, ask.groups)
         started = time.perf_counter()
         verdict = await self._admit(pool, ask, replicas, engines)
         if (uncounted is not None and verdict.ticket is not None
@@ -347,11 +362,25 @@ class Gate:
             verdict.outcome.value, verdict.reason.value, self.config.mode.value,
             d.completion_ms if d else None, d.wait_ms if d else None,
             tenant=verdict.tenant.name if verdict.tenant is not None else None,
-            promised_tokens=round(adm.cost.promised, 1))
+            promised_tokens=round(adm.cost.promised, 1), priority=adm.priority)
         if verdict.ticket is not None:
             verdict.ticket.log = decisionlog.Pending(record, self._clock())
         else:
             self.decision_log.write(record)
+
+    def _tenant_label(self, name: str) -> str:
+        return self._labels.label(name)
+
+    def _stated_priority(self, headers: Mapping[str, str]) -> int | None:
+        """The priority the header Envoy sets names (``priority.header``), if any: a value
+        that names none is counted and ignored."""
+        name = self.config.priority.header
+        if name is None or name not in headers:
+            return None
+        level = parse_priority(headers[name])
+        if level is None:
+            self.metrics.fallthroughs.labels("priority_header").inc()
+        return level
 
     async def _admit(self, pool: Pool, ask: Ask, replicas: int,
                      engines: PoolStats | None = None) -> Verdict:
@@ -368,6 +397,7 @@ class Gate:
                     self._ledger_back()
                     self.metrics.outstanding.labels(pool.name).set(
                         snapshot.outstanding_ms / 1000.0)
+                    self.metrics.groups(pool.name, snapshot, ask.groups, self._tenant_label)
                     fix = self._correction(pool, snapshot, engines)
                     verdict = self._verdict(admit(ask, pool, self.config, learning, snapshot,
                                                   replicas, self._clock(), fix), pool.name)
@@ -380,8 +410,10 @@ class Gate:
                     enforced = verdict.enforced
                     ceiling = verdict.admission.ceiling_ms if enforced else None
                     most = verdict.admission.max_inflight if enforced else None
+                    caps = verdict.admission.caps if enforced else ()
                     sent = True
-                    if await self._ledger("reserve", self.ledger.reserve(entry, ceiling, most)):
+                    if await self._ledger("reserve", self.ledger.reserve(entry, ceiling, most,
+                                                                         caps)):
                         return dataclasses.replace(verdict,
                                                    ticket=self._ticket(entry, verdict))
                     # Refused: another gateway took the room since our snapshot. Again.
@@ -569,13 +601,14 @@ class Gate:
         assert verdict.decision is not None and verdict.admission is not None
         lease_ms = verdict.decision.completion_ms + self.config.ledger.lease_grace_ms
         return Entry(request_id, pool, verdict.decision.service_ms, lease_ms,
-                     verdict.admission.kv_tokens)
+                     verdict.admission.kv_tokens, verdict.admission.groups)
 
     def _ticket(self, entry: Entry, verdict: Verdict, *, recorded: bool = True) -> Ticket:
         adm = verdict.admission
         assert adm is not None
         ticket = Ticket(entry.request_id, entry.pool, adm.service_class, entry.lease_ms,
-                        cost_ms=entry.cost_ms, kv_tokens=entry.kv_tokens, recorded=recorded,
+                        cost_ms=entry.cost_ms, kv_tokens=entry.kv_tokens, groups=entry.groups,
+                        recorded=recorded,
                         started=self._clock(),
                         deadline_s=adm.policy.deadline_ms / 1000.0, batch=adm.policy.batch,
                         unavoidable=adm.unavoidable,
@@ -591,7 +624,7 @@ class Gate:
             adm.service_class, adm.cost.prompt_tokens, batch=adm.policy.batch,
             expected_s=adm.decision.completion_ms / 1000.0 if adm.decision else 0.0,
             now=self._clock(), prefill_rate=adm.prefill_rate, key=ticket.request_id,
-            running=running_of(adm, self._clock()))
+            running=running_of(adm, self._clock()), groups=adm.groups)
         return ticket
 
     async def _renew(self, ticket: Ticket) -> None:
@@ -608,7 +641,7 @@ class Gate:
                         ticket.request_id, ticket.pool, ticket.lease_ms)):
                     await self._ledger("reserve", self.ledger.reserve(Entry(
                         ticket.request_id, ticket.pool, ticket.cost_ms, ticket.lease_ms,
-                        ticket.kv_tokens)))
+                        ticket.kv_tokens, ticket.groups)))
                 ok = ticket.recorded = True
             except LedgerUnavailable:
                 ok = False
@@ -621,7 +654,8 @@ class Gate:
         self.learning[ticket.pool].settled(
             ticket.service_class, batch=ticket.batch, seconds=now - ticket.started,
             deadline_s=ticket.deadline_s, completed=completed, unavoidable=ticket.unavoidable,
-            now=now, ttft_ms=ticket.ttft_ms, step_ms=ticket.step_ms, key=ticket.request_id)
+            now=now, ttft_ms=ticket.ttft_ms, step_ms=ticket.step_ms, key=ticket.request_id,
+            groups=ticket.groups)
         if self.control is not None:
             self.control.settled(ticket, completed)
         if ticket.renewer is not None:
@@ -670,6 +704,10 @@ def _annotate(span: DecisionSpan, verdict: Verdict, seconds: float, mode: str) -
              prompt_tokens=verdict.prompt_tokens or None,
              output_tokens_charged=verdict.output_tokens or None,
              decision_ms=round(seconds * 1000.0, 3))
+    if verdict.admission is not None:
+        span.set(priority=priority_label(verdict.admission.priority))
+    if verdict.tenant is not None:
+        span.set(tenant=verdict.tenant.label)
     if d is not None:
         span.set(wait_ms=d.wait_ms, ttft_ms=d.ttft_ms, completion_ms=d.completion_ms,
                  budget_ms=d.budget_ms, service_ms=d.service_ms,

@@ -100,6 +100,8 @@ GAIN = 0.01
 MEASURED_GAIN = 0.002  # a measured miss's tightening while misses run over (0.2 log-odds)
 CALIBRATION_PRIOR = 1000.0  # requests at the target miss rate: ten misses, predicted and seen
 DEMAND_MEMORY_S = 60.0
+FLOW_MEMORY_S = 30.0  # a group's arrivals and durations (extproc.share)
+FLOW_FORGOTTEN = 0.01  # a group whose decayed arrivals fall below this is dropped
 MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
 CLASS_SHARE = 0.05  # a class counts as served from this share of recent requests
 CENSOR_REFRESH_S = 1.0  # the answers in flight are folded into the lengths this often
@@ -202,6 +204,7 @@ class Demand:
     _at: float | None = None
     _duration_s: float = 0.0
     _durations: float = 0.0
+    _first: float | None = None  # the first arrival: a young stream's rate is not diluted
 
     def _decay(self, now: float) -> None:
         if self._at is not None and now > self._at:
@@ -214,6 +217,8 @@ class Demand:
     def arrived(self, now: float) -> None:
         self._decay(now)
         self._arrivals += 1.0
+        if self._first is None:
+            self._first = now
 
     def served(self, seconds: float, now: float) -> None:
         self._decay(now)
@@ -223,6 +228,20 @@ class Demand:
     @property
     def measured(self) -> bool:
         return self._durations > 0
+
+    def rate(self, now: float) -> float:
+        """Arrivals a second: the decayed count over the decayed time it was counted in (a
+        stream younger than its memory is not averaged with the time before it began)."""
+        self._decay(now)
+        if self._first is None:
+            return 0.0
+        age = max(1.0, now - self._first)
+        return self._arrivals / (self.memory_s * -math.expm1(-age / self.memory_s))
+
+    @property
+    def duration_s(self) -> float:
+        """Mean seconds in flight (0 until one has ended)."""
+        return self._duration_s / self._durations if self._durations else 0.0
 
     def reserve(self, now: float) -> float:
         """Slots the interactive classes need: ``λ T + 2 sqrt(λ T)``."""
@@ -257,6 +276,7 @@ class PoolLearning:
         self._asked: dict[str, float] = {}  # requests per class, decayed like the lengths
         self.promises: dict[str, Promise] = {}
         self.demand = Demand()
+        self.flows: dict[str, Demand] = {}  # per priority and tenant group (extproc.share)
         self._prompt = self.lengths.prior.mean * 4.0  # until the first request
         self._prompts = 0
         self.inflight: dict[str, int] = {}  # this gateway's requests per class, running now
@@ -307,6 +327,9 @@ class PoolLearning:
         if now - self._viewed_at < CENSOR_REFRESH_S:
             return
         self._viewed_at = now
+        for group in [g for g, f in self.flows.items() if f.rate(now) * f.memory_s
+                      < FLOW_FORGOTTEN]:
+            del self.flows[group]
         pool: list[float] = []
         by_class: dict[str, list[float]] = {}
         for r in self._running.values():
@@ -358,15 +381,23 @@ class PoolLearning:
         lengths = self._views.get("", self.lengths)
         return Mix(prompt_tokens=self._prompt, output_tokens=max(1.0, lengths.mean()))
 
+    def flow(self, group: str) -> Demand:
+        flow = self.flows.get(group)
+        if flow is None:
+            flow = self.flows[group] = Demand(FLOW_MEMORY_S)
+        return flow
+
     def arrived(self, service_class: str, batch: bool, now: float,
-                prompt_tokens: int | None = None) -> None:
+                prompt_tokens: int | None = None, groups: tuple[str, ...] = ()) -> None:
         """A request asked (admitted or not): it is demand, for the batch classes' reserve if
-        its class is interactive; it counts its class as served; its prompt is the traffic's
-        (the mix is what asks, not what was let in: a mix of what was let in would follow
-        the decisions it feeds)."""
+        its class is interactive, and for its groups' (priority, tenant: ``extproc.share``);
+        it counts its class as served; its prompt is the traffic's (the mix is what asks, not
+        what was let in: a mix of what was let in would follow the decisions it feeds)."""
         self._asked[service_class] = self._asked.get(service_class, 0.0) + 1.0
         if not batch:
             self.demand.arrived(now)
+        for group in groups:
+            self.flow(group).arrived(now)
         if prompt_tokens is not None:
             self._prompts += 1
             w = max(MIX_WEIGHT, 1.0 / self._prompts)
@@ -374,7 +405,8 @@ class PoolLearning:
 
     def admitted(self, service_class: str, prompt_tokens: int, *, batch: bool = False,
                  expected_s: float = 0.0, now: float = 0.0, prefill_rate: float = 0.0,
-                 key: str | None = None, running: Running | None = None) -> None:
+                 key: str | None = None, running: Running | None = None,
+                 groups: tuple[str, ...] = ()) -> None:
         """A request runs: its prompt joins the prefill backlog (drained at ``prefill_rate``
         tokens a second); ``expected_s``, its predicted time in flight, stands for the
         interactive classes' measured time until one of their requests has ended; with its
@@ -389,12 +421,16 @@ class PoolLearning:
                 self.promise(service_class).admitted(running.chance, running.unavoidable)
         if not batch and expected_s > 0 and not self.demand.measured:
             self.demand.served(expected_s, now)
+        for group in groups:
+            if expected_s > 0 and not self.flow(group).measured:
+                self.flow(group).served(expected_s, now)
         self.inflight[service_class] = self.inflight.get(service_class, 0) + 1
         self.backlog.add(prompt_tokens, now, prefill_rate)
 
     def settled(self, service_class: str, *, batch: bool, seconds: float, deadline_s: float,
                 completed: bool, unavoidable: float, now: float, ttft_ms: float = 0.0,
-                step_ms: float = 0.0, key: str | None = None) -> None:
+                step_ms: float = 0.0, key: str | None = None,
+                groups: tuple[str, ...] = ()) -> None:
         """An admitted request's stream ended after ``seconds``: ``completed`` normally, or
         cancelled. Past its deadline it is a miss; a completion within it a hit; a stream
         cancelled in time says nothing about the promise. A request this pool keeps (its
@@ -415,6 +451,8 @@ class PoolLearning:
                 missed, unavoidable if running is None else _chance(running), unavoidable)
         if not batch:
             self.demand.served(seconds, now)
+        for group in groups:
+            self.flow(group).served(seconds, now)
         if step_ms > 0:
             tokens = max(1.0, (seconds * 1000.0 - ttft_ms) / step_ms)
             self._own(service_class).observe(tokens, cut=not completed)

@@ -8,7 +8,7 @@ default tenant or ``other``. Nothing derived from a request's content is ever a 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -22,9 +22,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from extproc.config import Mode
+from extproc.share import level_of, priority_label, tenant_of
+from extproc.tenant import OTHER
 
 if TYPE_CHECKING:
 
+    from extproc.admission import Snapshot
     from extproc.autoscale import Recommendation, Window
     from extproc.capacity import Replicas
     from extproc.enginestats import PoolStats
@@ -126,6 +129,19 @@ class Metrics:
         self.tenant_decisions = Counter(
             "extproc_tenant_decisions", "Admission decisions by the tenant charged.",
             ["pool", "tenant", "outcome"], registry=self.registry)
+        # priorities and fair shares (extproc.share): a priority is a level's name or number
+        self.priority_decisions = Counter(
+            "extproc_priority_decisions", "Admission decisions by priority.",
+            ["pool", "priority", "outcome", "reason"], registry=self.registry)
+        self.group_outstanding = Gauge(
+            "extproc_group_outstanding_seconds",
+            "Outstanding GPU work of a priority or tenant in the ledger (kind: priority or"
+            " tenant; a tenant not in tenant.known is not shown), as of its last decision.",
+            ["pool", "kind", "name"], registry=self.registry)
+        self.group_share = Gauge(
+            "extproc_group_share_ratio",
+            "A priority's or tenant's share of the pool's outstanding work, as of its last"
+            " decision.", ["pool", "kind", "name"], registry=self.registry)
         self.tenant_fallbacks = Counter(
             "extproc_tenant_fallbacks",
             "Requests charged to the default tenant for want of one: missing, ambiguous"
@@ -206,11 +222,30 @@ class Metrics:
         self.decision_seconds.observe(seconds)
         if verdict.decision is not None:
             self.predicted_wait.labels(pool, cls).observe(verdict.decision.wait_ms / 1000.0)
+        if verdict.admission is not None:
+            self.priority_decisions.labels(pool, priority_label(verdict.admission.priority),
+                                           verdict.outcome.value, verdict.reason.value).inc()
         if verdict.tenant is not None:
             self.tenant_decisions.labels(pool, verdict.tenant.label,
                                          verdict.outcome.value).inc()
             if verdict.tenant.fallback is not None:
                 self.tenant_fallbacks.labels(verdict.tenant.fallback.value).inc()
+
+    def groups(self, pool: str, snapshot: Snapshot, groups: Sequence[str],
+               tenant_label: Callable[[str], str]) -> None:
+        """The outstanding work and share of a decision's own groups, from its snapshot."""
+        for group in groups:
+            level, tenant = level_of(group), tenant_of(group)
+            if level is not None:
+                kind, name = "priority", priority_label(level)
+            elif tenant is not None and (name := tenant_label(tenant)) != OTHER:
+                kind = "tenant"
+            else:
+                continue
+            _, work = snapshot.groups.get(group, (0, 0.0))
+            self.group_outstanding.labels(pool, kind, name).set(work / 1000.0)
+            total = snapshot.outstanding_ms
+            self.group_share.labels(pool, kind, name).set(work / total if total else 0.0)
 
     def inflight(self, pool: str, delta: int) -> None:
         self.inflight_requests.labels(pool).inc(delta)

@@ -23,26 +23,29 @@ leave room for the tenants under their share: the same reserve, for their expect
 Shares are in GPU time (the ledger's cost), not in requests: a tenant of long prompts does not
 get more of the fleet by sending fewer, larger requests.
 
-**The reserve** for a set of protected groups over ``T``, the admitted request's predicted
-time in flight: each group ``g`` has ``n`` requests in flight, arrivals at ``lambda`` a second,
-each in flight ``D`` on average. After ``T`` it expects ``n (1 - T / D)+`` of those still
-running and ``lambda min(T, D)`` newcomers (an infinite-server queue), so its growth is the
-difference from ``n``; arrivals are Poisson, so two standard deviations are added::
+**The reserve.** Requests are admitted while the engines' queues hold fewer than some limit
+(what ``decide`` finds still meets a deadline). A demoted request is admitted only below that
+limit less ``r`` places: the room kept for the protected traffic, arriving at ``lambda`` a
+second. Freed slots go to whoever asks first, and under overload demoted requests always ask;
+but they stop ``r`` places short, so the protected arrivals fill those places, and every
+departure (the pool's, at ``mu`` a second: requests in flight over their mean time in flight)
+empties one. The protected excess over the demoted level is a birth-death queue, born at
+``lambda`` and drained at ``mu``; it passes ``r`` with probability ``rho^r``, ``rho = lambda /
+mu``, and a protected request is refused only then. So::
 
-    reserve = ( sum_g [n_g (1 - T/D_g)+ + lambda_g min(T, D_g) - n_g]
-                + 2 sqrt(sum_g lambda_g min(T, D_g)) )+
+    r = log(MISS) / log(rho)                    (MISS = 1%: the attainment target's)
 
-A protected group at its steady level (``n = lambda D``) needs only the fluctuation; one that
-is arriving but holds nothing yet (a tenant starting, critical traffic rising) needs its whole
-expected demand; one that is draining frees room. Measured, not a fixed split: with no
-protected traffic the reserve is zero and a single tenant or priority takes the whole fleet.
+never more than the protected arrivals expected while the demoted request runs, ``T``, with two
+standard deviations (``lambda T + 2 sqrt(lambda T)``), which is also ``r`` when the protected
+traffic alone would keep the pool busy (``rho >= 1``). Measured, not a fixed split: with no
+protected traffic the reserve is zero and a single tenant or priority takes the whole fleet;
+with a trickle it is a place or two.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from urllib.parse import quote, unquote
 
 CRITICAL, STANDARD, SHEDDABLE = 1, 0, -1
@@ -50,6 +53,7 @@ LEVELS = {"critical": CRITICAL, "standard": STANDARD, "sheddable": SHEDDABLE}
 LABELS = {v: k for k, v in LEVELS.items()}
 MAX_LEVEL = 100  # levels are -100..100: a metric label each, so a bounded set
 RESERVE_Z = 2.0  # standard deviations of Poisson arrivals the reserve adds
+MISS = 0.01  # the chance a protected request finds its reserve full
 
 
 def parse_priority(value: object) -> int | None:
@@ -93,25 +97,17 @@ def tenant_of(group: str) -> str | None:
     return unquote(group[2:]) if group.startswith("t:") else None
 
 
-@dataclass(frozen=True, slots=True)
-class Flow:
-    """A group as the reserve sees it: in flight now, arrivals a second, mean time in flight."""
-
-    inflight: float
-    rate: float
-    duration_s: float
-
-
-def reserve(flows: Iterable[Flow], horizon_s: float) -> float:
-    """Requests' worth of room to keep for ``flows`` over ``horizon_s`` (module docstring)."""
-    growth = variance = 0.0
-    for f in flows:
-        d = f.duration_s if f.duration_s > 0 else horizon_s
-        arriving = f.rate * min(horizon_s, d)
-        staying = f.inflight * max(0.0, 1.0 - horizon_s / d) if d > 0 else 0.0
-        growth += staying + arriving - f.inflight
-        variance += arriving
-    return max(0.0, growth + RESERVE_Z * math.sqrt(variance))
+def reserve(rate: float, departures: float, horizon_s: float) -> float:
+    """Places to keep for protected arrivals at ``rate`` a second, the pool's requests
+    leaving at ``departures`` a second, for a request in flight ``horizon_s`` (docstring)."""
+    if rate <= 0 or horizon_s <= 0:
+        return 0.0
+    arrivals = rate * horizon_s
+    most = arrivals + RESERVE_Z * math.sqrt(arrivals)
+    rho = rate / departures if departures > 0 else math.inf
+    if rho >= 1.0:
+        return most
+    return min(most, math.log(MISS) / math.log(rho))
 
 
 def water_level(demands: Mapping[str, tuple[float, float]], capacity: float) -> float:

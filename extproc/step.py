@@ -59,7 +59,17 @@ from extproc.config import Config, Infeasible, Pool
 from extproc.enginestats import Correction
 from extproc.errors import BadRequest, RequestError
 from extproc.learning import PoolLearning, Running
+from extproc.ledger import Cap
 from extproc.lengths import PRIOR_SAMPLES
+from extproc.share import (
+    level_of,
+    over_share,
+    priority_group,
+    reserve,
+    tenant_group,
+    tenant_of,
+    water_level,
+)
 
 NO_CORRECTION = Correction()
 
@@ -77,6 +87,15 @@ class Ask:
     # The simulator's oracle knows each answer's length and is promised exactly that; the
     # gateway never does (None).
     known_output_tokens: int | None = None
+    tenant: str | None = None  # who is charged (extproc.tenant); None: attribution off
+    priority: int = 0  # its priority level (extproc.share)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The ledger groups it counts in: its priority and its tenant."""
+        if self.tenant is None:
+            return (priority_group(self.priority),)
+        return priority_group(self.priority), tenant_group(self.tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +113,9 @@ class Admission:
     unavoidable: float = 0.0  # chance it misses even alone (the promise's feedback)
     chance: float = 0.0  # predicted chance it misses its deadline (the promise's feedback)
     prefill_rate: float = 0.0  # the fleet's prompt tokens a second (``PoolLearning.admitted``)
+    groups: tuple[str, ...] = ()  # its ledger groups (``Ask.groups``)
+    priority: int = 0  # its priority level (``Ask.priority``)
+    caps: tuple[Cap, ...] = ()  # its tenant's hard caps, for the reserve's atomic check
 
     @property
     def kv_tokens(self) -> int:
@@ -116,6 +138,20 @@ def class_policy(config: Config, service_class: str, deadline_ms: float | None) 
     deadline = cls.deadline_ms if deadline_ms is None else min(cls.deadline_ms, deadline_ms)
     return Policy(deadline_ms=deadline, safety_factor=cls.safety_factor, ttft_ms=cls.ttft_ms,
                   batch=cls.batch)
+
+
+def priority_of(config: Config, service_class: str, tenant: str | None,
+                stated: int | None = None) -> int:
+    """A request's priority: as stated (a header Envoy sets), else its tenant's, else its
+    class's, else ``priority.default``."""
+    if stated is not None:
+        return stated
+    if tenant is not None and (level := config.tenant.policy(tenant).priority) is not None:
+        return level
+    cls = config.classes.get(service_class)
+    if cls is not None and cls.priority is not None:
+        return cls.priority
+    return config.priority.default
 
 
 def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
@@ -213,6 +249,14 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         if crowded is not None:
             decision, outcome = crowded, crowded.outcome
             reason = reason if reason is Reason.INFEASIBLE else crowded.reason
+    caps = _caps(ask, config)
+    if outcome in (Outcome.ADMIT, Outcome.PASS):
+        changed = _at_cap(caps, decision, snapshot)
+        if changed is None and outcome is Outcome.ADMIT:
+            changed = _room_for_others(ask, cost, decision, policy, config, learning, snapshot,
+                                       capacity, share, now)
+        if changed is not None:
+            decision, outcome, reason = changed, changed.outcome, changed.reason
     runs = outcome in (Outcome.ADMIT, Outcome.PASS)
     alone = (1.0 if outcome is Outcome.PASS  # infeasible: it misses, whatever load
              else unavoidable(cost, capacity, policy, learning, ask.service_class)
@@ -230,7 +274,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         unavoidable=alone,
         chance=(max(alone, miss_chance(cost, decision, policy, learning, ask.service_class))
                 if outcome is Outcome.ADMIT else alone),
-        prefill_rate=rate)
+        prefill_rate=rate, groups=ask.groups, priority=ask.priority, caps=caps)
 
 
 def running_of(adm: Admission, now: float) -> Running:
@@ -297,3 +341,91 @@ def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLe
     if not math.isfinite(longest):
         return 0.0
     return learning.lengths_for(policy_class).survival(max(0.0, longest))
+
+
+def _caps(ask: Ask, config: Config) -> tuple[Cap, ...]:
+    """Its tenant's hard caps (``tenant.tenants.<name>`` or ``tenant.others``)."""
+    if ask.tenant is None:
+        return ()
+    policy = config.tenant.policy(ask.tenant)
+    if policy.max_inflight is None and policy.max_outstanding_s is None:
+        return ()
+    most_ms = None if policy.max_outstanding_s is None else policy.max_outstanding_s * 1000.0
+    return (Cap(tenant_group(ask.tenant), policy.max_inflight, most_ms),)
+
+
+def _at_cap(caps: tuple[Cap, ...], decision: Decision, snapshot: Snapshot) -> Decision | None:
+    """A refusal (``TENANT_CAP``) when the ledger's snapshot already puts the tenant at a cap;
+    the reserve checks the same caps atomically. Retry when one of its requests has ended."""
+    for cap in caps:
+        n, work = snapshot.groups.get(cap.group, (0, 0.0))
+        if ((cap.max_inflight is not None and n + 1 > cap.max_inflight)
+                or (cap.max_ms is not None and work + decision.service_ms > cap.max_ms)):
+            return dataclasses.replace(
+                decision, outcome=Outcome.REJECT, reason=Reason.TENANT_CAP, ceiling_ms=None,
+                max_inflight=None,
+                retry_after_ms=max(1.0, decision.completion_ms / max(n, 1)))
+    return None
+
+
+def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, config: Config,
+                     learning: PoolLearning, snapshot: Snapshot, capacity: Capacity,
+                     share: float, now: float) -> Decision | None:
+    """Priorities and fair shares (``extproc.share``): an admitted request must also fit after
+    the room kept for the traffic it must not crowd out, expected while it runs: every
+    higher priority's, and, when its tenant is over its share of a contended pool, the
+    tenants' under theirs. Returns the refusal (``PRIORITY`` or ``FAIR_SHARE``), the decision
+    with its ledger checks tightened by that room, or None when nothing is kept."""
+    n = snapshot.inflight
+    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
+    protected = [g for g in learning.flows
+                 if (level := level_of(g)) is not None and level > ask.priority]
+    over = False
+    if ask.tenant is not None and config.tenant.fair_share:
+        # Each tenant's demand: its outstanding work, or what its arrivals keep in flight
+        # (Little's law), whichever is more: a tenant crowded out still wants its share.
+        weights = config.tenant.policy
+        demands = {t: (work, weights(t).weight) for g, (_, work) in snapshot.groups.items()
+                   if (t := tenant_of(g)) is not None}
+        for g, flow in learning.flows.items():
+            if (t := tenant_of(g)) is not None:
+                steady = flow.rate(now) / share * flow.duration_s * mean_ms
+                demands[t] = (max(demands.get(t, (0.0, 0.0))[0], steady), weights(t).weight)
+        _, mine = snapshot.groups.get(tenant_group(ask.tenant), (0, 0.0))
+        demands[ask.tenant] = (mine + decision.service_ms, weights(ask.tenant).weight)
+        room = capacity.slots * mean_ms
+        over = over_share(ask.tenant, demands, room)
+        if over:
+            fair = water_level(demands, room)  # the tenants holding less are protected
+            protected += [g for g in learning.flows
+                          if (t := tenant_of(g)) is not None and t != ask.tenant
+                          and snapshot.groups.get(g, (0, 0.0))[1] / weights(t).weight < fair]
+    if not protected:
+        return None
+    horizon_s = decision.completion_ms / 1000.0
+    rate = sum(learning.flows[g].rate(now) for g in protected) / share
+    # Departures near the limit: the pool's slots (or its requests, if more) over the mean
+    # time in flight of the requests arriving.
+    levels = [f for g, f in learning.flows.items() if level_of(g) is not None]
+    arriving = sum(f.rate(now) for f in levels)
+    held_s = (sum(f.rate(now) * (f.duration_s or horizon_s) for f in levels) / arriving
+              if arriving > 0 else horizon_s)
+    departures = max(capacity.slots, n) / held_s if held_s > 0 else math.inf
+    kept = math.ceil(reserve(rate, departures, horizon_s) - 1e-9)
+    if kept <= 0:
+        return None
+    mean_kv = snapshot.kv_tokens / n if n else cost.kv
+    ahead = dataclasses.replace(snapshot, inflight=n + kept,
+                                outstanding_ms=snapshot.outstanding_ms + kept * mean_ms,
+                                kv_tokens=round(snapshot.kv_tokens + kept * mean_kv))
+    seen = decide(cost, ahead, capacity, policy, now)
+    if not seen.admitted:
+        return dataclasses.replace(
+            seen, outcome=Outcome.REJECT,
+            reason=Reason.FAIR_SHARE if over else Reason.PRIORITY,
+            retry_after_ms=max(1.0, seen.retry_after_ms or 0.0))
+    assert seen.ceiling_ms is not None and seen.max_inflight is not None
+    assert decision.ceiling_ms is not None and decision.max_inflight is not None
+    return dataclasses.replace(
+        decision, ceiling_ms=min(decision.ceiling_ms, seen.ceiling_ms - kept * mean_ms),
+        max_inflight=min(decision.max_inflight, seen.max_inflight - kept))

@@ -13,7 +13,8 @@ Formats and sources:
   carries no ``max_tokens``: pass the one the clients should send, or ``None``.
 - **JSONL** of our own, one job per line: ``{"arrival_s": 0.25, "prompt_tokens": 812,
   "max_tokens": 256, "output_tokens": 97, "class": "latency", "tenant": "a"}``
-  (``max_tokens``, ``class``, ``tenant``, ``deadline_ms`` optional; ``"prefix": KEY,
+  (``max_tokens``, ``class``, ``tenant``, ``priority``, ``deadline_ms`` optional;
+  ``priority`` is as an Envoy-set header would state it: a name or a level; ``"prefix": KEY,
   "prefix_tokens": N`` says that the prompt's first N tokens are those of earlier requests
   with the same key, a conversation's history, which an engine's prefix cache may hold):
   ``read_jsonl`` and ``write_jsonl``.
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.errors import ConfigError
+from extproc.share import parse_priority, priority_label
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class Job:
     deadline_ms: float | None = None  # a tighter deadline the client sends, if any
     prefix_key: str | None = None  # requests that share a prompt prefix share this key ...
     prefix_tokens: int = 0  # ... and this many leading prompt tokens (the engine may cache)
+    priority: int | None = None  # its priority level as stated (a header Envoy sets), if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +238,10 @@ def _job_from(raw: Any, where: str) -> Job:
     prefix = raw.get("prefix")
     if not isinstance(cls, str) or not isinstance(tenant, str):
         problems.append(f"{where}: class and tenant must be strings")
+    priority = raw.get("priority")
+    if priority is not None and (priority := parse_priority(priority)) is None:
+        problems.append(f"{where}: priority: must be critical, standard, sheddable or a whole"
+                        f" number (got {raw.get('priority')!r})")
     if prefix is not None and not isinstance(prefix, str):
         problems.append(f"{where}: prefix must be a string")
     if problems:
@@ -242,7 +249,8 @@ def _job_from(raw: Any, where: str) -> Job:
     return Job(arrival_s=arrival, prompt_tokens=max(1, prompt), output_tokens=max(1, output),
                max_tokens=max_tokens or None, service_class=cls, tenant=tenant,
                deadline_ms=deadline or None, prefix_key=prefix,
-               prefix_tokens=min(shared or 0, max(1, prompt)) if prefix else 0)
+               prefix_tokens=min(shared or 0, max(1, prompt)) if prefix else 0,
+               priority=priority)
 
 
 def read_jsonl(path: str | os.PathLike[str], *, rate_x: float = 1.0) -> list[Job]:
@@ -275,6 +283,8 @@ def write_jsonl(jobs: Iterable[Job], path: str | os.PathLike[str]) -> None:
                 row["deadline_ms"] = j.deadline_ms
             if j.prefix_key is not None:
                 row["prefix"], row["prefix_tokens"] = j.prefix_key, j.prefix_tokens
+            if j.priority is not None:
+                row["priority"] = priority_label(j.priority)
             f.write(json.dumps(row) + "\n")
 
 
@@ -320,7 +330,8 @@ def read_decision_log(path: str | os.PathLike[str], *, pool: str | None = None,
         jobs.append(Job(arrival_s=(rec.time_s - t0) / rate_x,
                         prompt_tokens=max(1, rec.prompt_tokens), output_tokens=max(1, output),
                         max_tokens=rec.charged_tokens or None,
-                        service_class=rec.service_class, deadline_ms=rec.deadline_ms))
+                        service_class=rec.service_class, deadline_ms=rec.deadline_ms,
+                        tenant=rec.tenant or "default", priority=rec.priority))
     jobs.sort(key=lambda j: j.arrival_s)
     return jobs
 

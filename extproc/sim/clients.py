@@ -58,6 +58,7 @@ class Attempt(Sequence):
         "finished_at",
         "first_token_at",
         "gpu_s",
+        "groups",
         "job",
         "key",
         "number",
@@ -98,6 +99,7 @@ class Attempt(Sequence):
         self.predicted_ttft_ms = 0.0  # what its admission predicted (its class learns from
         self.predicted_step_ms = 0.0  # the difference to what happened)
         self.predicted_completion_s = 0.0
+        self.groups: tuple[str, ...] = ()  # its ledger groups (priority, tenant) once admitted
 
     @property
     def good(self) -> bool:

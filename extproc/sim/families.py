@@ -74,6 +74,15 @@ The families (ranges are per seed, ``U(a, b)`` uniform):
   fleet's capacity, within the size budget, with the provisioning delay compressed with the
   timeline. The HPA keeps its bounds relative to the fleet (1x to 2x its replicas).
 
+- ``noisy-neighbour``: two tenants of chat traffic (``max_tokens`` 1024, equal weights). Tenant
+  ``a`` arrives steadily at U(0.3, 0.45) x load of capacity, below its equal share; tenant
+  ``b`` at U(0.2, 0.4) x load, bursting to 10x that for U(60, 120) s (compressed with the run)
+  from U(30, 45)% of the run. Streaming. Nominal U(8, 10) min.
+- ``priority``: chat traffic at ``load`` x capacity in three priorities, stated per request
+  (as a header Envoy sets): the critical share rises linearly from U(0.03, 0.08) to
+  U(0.15, 0.25) of ``load`` (at 3x, from ~0.15 to ~0.6 capacity); the rest is a share U(0.3, 0.5)
+  standard and the remainder sheddable. Streaming. Nominal U(8, 10) min.
+
 Fleets (``FLEETS``): ``70b-16`` (4 replicas of Llama-3.3-70B FP8 on 2xH100, ``max_num_seqs``
 16, the incident's), ``70b-vllm`` (4 replicas, vLLM's defaults: 1024 sequences, KV-bound) and
 ``8b-vllm`` (2 replicas of Llama-3.1-8B on one H100). Any family runs on any fleet.
@@ -90,7 +99,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from extproc.config import TenantConfig, TenantSource
 from extproc.engine import LLAMA_8B_1XH100, LLAMA_70B_FP8_2XH100, EngineModel
+from extproc.share import CRITICAL, SHEDDABLE, STANDARD
 from extproc.sim import scenarios
 from extproc.sim.clients import ClientModel
 from extproc.sim.run import Scenario
@@ -476,6 +487,58 @@ def incident(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
     return Drawn(sc, dict(d.params))
 
 
+def _tenanted(sc: Scenario) -> Scenario:
+    """The scenario with tenant attribution on (the jobs name their tenants)."""
+    config = dataclasses.replace(sc.config, tenant=TenantConfig(source=TenantSource.HEADER))
+    return dataclasses.replace(sc, config=config)
+
+
+def noisy_neighbour(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
+    d = _Draws("noisy-neighbour", seed)
+    prompt, output = _chat_lengths(d)
+    classes = _chat_class(d)
+    clients = ClientModel(timeout_s=d.uniform("timeout_s", 45, 120))
+    a_x, b_x = d.uniform("a_x", 0.3, 0.45), d.uniform("b_x", 0.2, 0.4)
+    start, length = d.uniform("start_frac", 0.3, 0.45), d.uniform("burst_s", 60, 120)
+    cap = fleet.capacity_rps(_probe("noisy-neighbour", seed, prompt, output, 1024))
+    nominal, span = _span(d, cap * load * (a_x + b_x * (1 + 9 * length / 540.0)), 8, 10, size)
+    squeeze = span / nominal
+    rng = random.Random(f"noisy-neighbour/{seed}/jobs")
+    steady = _jobs(poisson_arrivals(a_x * load * cap, span, rng), rng, prompt, output, 1024)
+    begin, end = start * span, start * span + length * squeeze
+    curve = [RatePoint(0.0, b_x), RatePoint(begin, b_x), RatePoint(begin, 10 * b_x),
+             RatePoint(end, 10 * b_x), RatePoint(end, b_x), RatePoint(span, b_x)]
+    burst = _jobs(piecewise_arrivals([RatePoint(p.at_s, p.rate * load * cap) for p in curve],
+                                     rng), rng, prompt, output, 1024)
+    d.params["burst_from_s"], d.params["burst_to_s"] = round(begin, 1), round(end, 1)
+    jobs = ([dataclasses.replace(j, tenant="a") for j in steady]
+            + [dataclasses.replace(j, tenant="b") for j in burst])
+    drawn = _scenario("noisy-neighbour", seed, load, fleet, jobs, classes, clients, True,
+                      d.params)
+    return Drawn(_tenanted(drawn.scenario), drawn.params)
+
+
+def priority(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
+    d = _Draws("priority", seed)
+    prompt, output = _chat_lengths(d)
+    classes = _chat_class(d)
+    clients = ClientModel(timeout_s=d.uniform("timeout_s", 45, 120))
+    low, high = d.uniform("critical_from", 0.03, 0.08), d.uniform("critical_to", 0.15, 0.25)
+    standard = d.uniform("standard_share", 0.3, 0.5)
+    cap = fleet.capacity_rps(_probe("priority", seed, prompt, output, 1024))
+    _, span = _span(d, cap * load, 8, 10, size)
+    rng = random.Random(f"priority/{seed}/jobs")
+    jobs = _jobs(poisson_arrivals(load * cap, span, rng), rng, prompt, output, 1024)
+    levels = []
+    for j in jobs:
+        critical = low + (high - low) * j.arrival_s / span
+        u = rng.random()
+        level = (CRITICAL if u < critical else STANDARD if u < critical + standard
+                 * (1 - critical) else SHEDDABLE)
+        levels.append(dataclasses.replace(j, priority=level))
+    return _scenario("priority", seed, load, fleet, levels, classes, clients, True, d.params)
+
+
 FAMILIES: dict[str, Family] = {
     "long-context": long_context,
     "flash-crowd": flash_crowd,
@@ -487,6 +550,8 @@ FAMILIES: dict[str, Family] = {
     "azure-conv": azure_conv,
     "azure-code": azure_code,
     "incident": incident,
+    "noisy-neighbour": noisy_neighbour,
+    "priority": priority,
 }
 TIME_VARYING = ("diurnal", "flash-crowd", "incident")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.admission import Outcome, Policy, Snapshot
-from extproc.config import Config, Pool
+from extproc.config import Config, Pool, TenantSource
 from extproc.engine import EngineModel
 from extproc.learning import PoolLearning
 from extproc.ledger import Entry
@@ -45,6 +45,7 @@ from extproc.step import (
     capacity_for,
     class_policy,
     cost_of,
+    priority_of,
     running_of,
 )
 from extproc.workload import Job
@@ -100,6 +101,21 @@ class Series:
 
 
 @dataclass
+class Tally:
+    """One priority or tenant group's attempts and how they went (``Result.groups``)."""
+
+    attempts: int = 0
+    admitted: int = 0
+    rejected: int = 0
+    good: int = 0
+    good_in_span: int = 0
+
+    @property
+    def attainment(self) -> float:
+        return self.good / self.admitted if self.admitted else 1.0
+
+
+@dataclass
 class Result:
     scenario: str
     policy: str
@@ -130,6 +146,13 @@ class Result:
     final_replicas: int = 0
     events: int = 0
     series: Series = field(default_factory=Series, repr=False)
+    groups: dict[str, Tally] = field(default_factory=dict)  # per priority and tenant group
+
+    def tally(self, group: str) -> Tally:
+        tally = self.groups.get(group)
+        if tally is None:
+            tally = self.groups[group] = Tally()
+        return tally
 
     # ---- derived figures (see docs/simulator.md for the definitions) ----
     @property
@@ -179,6 +202,12 @@ class Result:
             "idle_replica_min": round(self.idle_replica_s / 60, 2),
             "peak_replicas": self.peak_replicas, "final_replicas": self.final_replicas,
             "events": self.events,
+            "groups": {g: {"attempts": t.attempts, "admitted": t.admitted,
+                           "rejected": t.rejected, "good": t.good,
+                           "goodput_rps": round(t.good_in_span / self.span_s, 4)
+                           if self.span_s else 0.0,
+                           "attainment": round(t.attainment, 5)}
+                       for g, t in sorted(self.groups.items())},
         }
 
 
@@ -370,12 +399,18 @@ class Simulation:
         self._sample.arrivals += 1
         pool, config, learning = self.pool, self.config, self.learning
         batch = config.classes[job.service_class].batch
-        learning.arrived(job.service_class, batch, now, job.prompt_tokens)
         charged = job.max_tokens or pool.default_max_tokens
         room = self.scenario.engine.max_model_len - job.prompt_tokens
         output = min(job.output_tokens, job.max_tokens or job.output_tokens, max(1, room))
+        tenant = job.tenant if config.tenant.source is not TenantSource.NONE else None
         ask = Ask(job.service_class, job.prompt_tokens, job.max_tokens, 1, job.deadline_ms,
-                  known_output_tokens=output if self.policy.clairvoyant else None)
+                  known_output_tokens=output if self.policy.clairvoyant else None,
+                  tenant=tenant,
+                  priority=priority_of(config, job.service_class, tenant, job.priority))
+        learning.arrived(job.service_class, batch, now, job.prompt_tokens, ask.groups)
+        tallies = [res.tally(g) for g in ask.groups]
+        for t in tallies:
+            t.attempts += 1
         snapshot = self.ledger.snapshot(pool.name)
         if self.policy.uses_step:
             adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now)
@@ -411,6 +446,8 @@ class Simulation:
         if outcome is Outcome.REJECT and self.policy.enforce:
             a.outcome = "rejected"
             res.rejected += 1
+            for t in tallies:
+                t.rejected += 1
             self._window.rejected += 1
             self._sample.rejected += 1
             clients = self.scenario.clients
@@ -434,16 +471,20 @@ class Simulation:
             return
         a.outcome = "admitted"
         res.admitted += 1
+        a.groups = ask.groups
+        for t in tallies:
+            t.admitted += 1
         self._window.admitted += 1
         self._sample.admitted += 1
         learning.admitted(job.service_class, job.prompt_tokens, batch=batch,
                           expected_s=a.predicted_completion_s, now=now,
                           prefill_rate=self._prefill_rate, key=a.key,
-                          running=running_of(adm, now) if self.policy.uses_step else None)
+                          running=running_of(adm, now) if self.policy.uses_step else None,
+                          groups=ask.groups)
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
-        self.ledger.reserve(Entry(a.key, pool.name, service, lease_ms, kv))
+        self.ledger.reserve(Entry(a.key, pool.name, service, lease_ms, kv, ask.groups))
         self._inflight.append(a)
         target = self.target()
         assert target is not None
@@ -486,7 +527,7 @@ class Simulation:
                               seconds=self.now - a.arrival, deadline_s=a.deadline_s,
                               completed=completed, unavoidable=a.unavoidable, now=self.now,
                               ttft_ms=a.predicted_ttft_ms, step_ms=a.predicted_step_ms,
-                              key=a.key)
+                              key=a.key, groups=a.groups)
 
     def _retry_or_fail(self, a: Attempt) -> None:
         clients = self.scenario.clients
@@ -533,6 +574,10 @@ class Simulation:
                     res.good += 1
                     if a.finished_at <= res.span_s:
                         res.good_in_span += 1
+                    for g in a.groups:
+                        res.tally(g).good += 1
+                        if a.finished_at <= res.span_s:
+                            res.tally(g).good_in_span += 1
                     res.jobs_good += 1
                     self._window.good += 1
                     sample.good += 1
