@@ -13,7 +13,8 @@ from extproc.workload import Job
 
 AVAILABLE = [f for f in families.FAMILIES if families.missing(f) is None]
 SMALL = 0.3  # run size: enough jobs to check, quick to draw
-DERIVED = {"span_s", "window_s"}  # depend on the fleet (its capacity sizes the run)
+# depend on the fleet (its capacity sizes the run)
+DERIVED = {"span_s", "window_s", "burst_from_s", "burst_to_s"}
 
 
 def draw(name: str, seed: int = 0, load: float = 1.5, fleet: str = "70b-16",
@@ -70,6 +71,10 @@ RANGES = {
     "bimodal": {"short_share": (0.7, 0.9), "short_median": (10, 30),
                 "long_median": (1000, 2000), "deadline_s": (60, 120)},
     "class-mix": {"latency_share": (0.6, 0.8), "batch_output_median": (600, 1500)},
+    "noisy-neighbour": {"a_x": (0.3, 0.45), "b_x": (0.2, 0.4), "burst_s": (60, 120),
+                        "start_frac": (0.3, 0.45)},
+    "priority": {"critical_from": (0.03, 0.08), "critical_to": (0.15, 0.25),
+                 "standard_share": (0.3, 0.5)},
     "summarisation": {"prompt_median": (10_000, 20_000), "deadline_s": (60, 120)},
     "multi-turn": {"max_turns": (4, 8), "think_s": (10, 60)},
     "azure-conv": {"window_start_frac": (0, 1), "deadline_s": (20, 40)},

@@ -109,10 +109,16 @@ class Tally:
     rejected: int = 0
     good: int = 0
     good_in_span: int = 0
+    good_arrivals: list[float] = field(default_factory=list, repr=False)  # its jobs' arrivals
 
     @property
     def attainment(self) -> float:
         return self.good / self.admitted if self.admitted else 1.0
+
+    def goodput_between(self, start_s: float, end_s: float) -> float:
+        """Completions in time a second, of the jobs that arrived in ``[start_s, end_s)``."""
+        inside = sum(1 for t in self.good_arrivals if start_s <= t < end_s)
+        return inside / (end_s - start_s) if end_s > start_s else 0.0
 
 
 @dataclass
@@ -576,6 +582,7 @@ class Simulation:
                         res.good_in_span += 1
                     for g in a.groups:
                         res.tally(g).good += 1
+                        res.tally(g).good_arrivals.append(a.job.arrival_s)
                         if a.finished_at <= res.span_s:
                             res.tally(g).good_in_span += 1
                     res.jobs_good += 1
