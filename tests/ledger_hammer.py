@@ -51,3 +51,40 @@ def hammer(url: str, prefix: str, seed: int, rounds: int, cost_range: tuple[floa
         return recorded, released, refused
 
     return asyncio.run(run())
+
+
+CAP = 5  # the capped tenant's most requests in flight
+
+
+def hammer_cap(url: str, prefix: str, seed: int, rounds: int) -> int:
+    """One OS process: waves of concurrent reserves of one capped tenant (``CAP`` requests),
+    releasing some of its own between waves. Returns how many it recorded."""
+    from extproc.ledger import Cap
+
+    async def run() -> int:
+        settings_ = {"kind": "redis", "url": url, "timeout_ms": 5_000, "key_prefix": prefix}
+        ledger = RedisLedger.from_config(config.from_mapping({"ledger": settings_}).ledger,
+                                         ["p"])
+        rng = random.Random(seed)
+        held: list[str] = []
+        recorded = 0
+        caps = (Cap("t:acme", max_inflight=CAP, max_ms=CAP * 100.0),)
+        try:
+            for wave in range(rounds):
+                ids = [f"{seed}-{wave}-{i}" for i in range(10)]
+                answers = await asyncio.gather(*(
+                    ledger.reserve(Entry(i, "p", 100.0, 60_000, groups=("p:0", "t:acme")),
+                                   caps=caps) for i in ids))
+                for rid, ok in zip(ids, answers, strict=True):
+                    if ok:
+                        held.append(rid)
+                        recorded += 1
+                rng.shuffle(held)
+                gone, held = held[: len(held) // 2], held[len(held) // 2:]
+                for rid in gone:
+                    assert await ledger.release(rid, "p")
+        finally:
+            await ledger.close()
+        return recorded
+
+    return asyncio.run(run())

@@ -27,7 +27,7 @@ from extproc.ledger import Entry
 from extproc.ledger.breaker import State
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
-from tests.ledger_hammer import CEILING_MS, hammer
+from tests.ledger_hammer import CAP, CEILING_MS, hammer, hammer_cap
 from tests.redis_server import Certs, RedisSentinel, RedisServer, poll
 
 pytestmark = pytest.mark.redis
@@ -193,6 +193,36 @@ def dump(server: RedisServer, ledger: RedisLedger) -> tuple[Any, ...]:
     leases, costs, total, kv, groups = ledger.keys("p")
     return (r.zrange(leases, 0, -1, withscores=True), r.hgetall(costs), r.get(total),
             r.get(kv), r.hgetall(groups))
+
+
+def test_processes_racing_for_one_tenant_cap_never_exceed_it(server: RedisServer) -> None:
+    """Four processes (four gateway replicas) reserve for one capped tenant at once: the
+    tenant's count and work, read while they race, never pass its caps."""
+    ledger = make(server.url)
+    watching = threading.Event()
+    highest = [0, 0.0]
+
+    def watch() -> None:
+        r = server.client()
+        groups = ledger.keys("p")[4]
+        while not watching.is_set():
+            value = r.hget(groups, "t:acme")
+            if value is not None:
+                n, work = value.decode().split()
+                highest[0], highest[1] = max(highest[0], int(n)), max(highest[1], float(work))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with multiprocessing.get_context("spawn").Pool(4) as workers:
+        try:
+            recorded = workers.starmap(hammer_cap, [(server.url, ledger.prefix, seed, 15)
+                                                    for seed in range(4)])
+        finally:
+            watching.set()
+            watcher.join()
+    assert sum(recorded) > CAP  # the cap was reached again and again, not just once
+    assert highest[0] == CAP  # reached, never passed
+    assert highest[1] <= CAP * 100.0
 
 
 def test_processes_racing_for_one_ceiling_never_exceed_it_and_refusals_change_nothing(
