@@ -381,7 +381,13 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
     protected = [g for g in learning.flows
                  if (level := level_of(g)) is not None and level > ask.priority]
     over = False
-    if ask.tenant is not None and config.tenant.fair_share:
+    several = ask.tenant is not None and config.tenant.fair_share and sum(
+        1 for g in learning.flows if tenant_of(g) is not None) > 1
+    if not protected and not several:
+        return None
+    limit = _limit(cost, snapshot, capacity, policy, now)
+    if several:
+        assert ask.tenant is not None
         # Each tenant's demand: its outstanding work, or what its arrivals keep in flight
         # (Little's law), whichever is more: a tenant crowded out still wants its share.
         weights = config.tenant.policy
@@ -393,7 +399,7 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
                 demands[t] = (max(demands.get(t, (0.0, 0.0))[0], steady), weights(t).weight)
         _, mine = snapshot.groups.get(tenant_group(ask.tenant), (0, 0.0))
         demands[ask.tenant] = (mine + decision.service_ms, weights(ask.tenant).weight)
-        room = capacity.slots * mean_ms
+        room = limit * mean_ms
         over = over_share(ask.tenant, demands, room)
         if over:
             fair = water_level(demands, room)  # the tenants holding less are protected
@@ -404,13 +410,13 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
         return None
     horizon_s = decision.completion_ms / 1000.0
     rate = sum(learning.flows[g].rate(now) for g in protected) / share
-    # Departures near the limit: the pool's slots (or its requests, if more) over the mean
-    # time in flight of the requests arriving.
+    # Departures near the limit: the requests the pool holds there over the mean time in
+    # flight of the requests arriving.
     levels = [f for g, f in learning.flows.items() if level_of(g) is not None]
     arriving = sum(f.rate(now) for f in levels)
     held_s = (sum(f.rate(now) * (f.duration_s or horizon_s) for f in levels) / arriving
               if arriving > 0 else horizon_s)
-    departures = max(capacity.slots, n) / held_s if held_s > 0 else math.inf
+    departures = max(limit, n) / held_s if held_s > 0 else math.inf
     kept = math.ceil(reserve(rate, departures, horizon_s) - 1e-9)
     if kept <= 0:
         return None
@@ -429,3 +435,27 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
     return dataclasses.replace(
         decision, ceiling_ms=min(decision.ceiling_ms, seen.ceiling_ms - kept * mean_ms),
         max_inflight=min(decision.max_inflight, seen.max_inflight - kept))
+
+
+def _limit(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
+           now: float) -> int:
+    """The most requests the pool holds while one like this is still admitted: its work at
+    that level is what tenants share (the slots overstate it wherever the deadline binds
+    first, and the KV cache where it binds). Found by bisection on the in-flight count, the
+    requests in flight kept at their mean work and KV."""
+    n = snapshot.inflight
+    mean_ms = snapshot.outstanding_ms / n if n else capacity.charge_ms(cost)
+    mean_kv = snapshot.kv_tokens / n if n else cost.kv
+
+    def fits(count: int) -> bool:
+        at = dataclasses.replace(snapshot, inflight=count, outstanding_ms=count * mean_ms,
+                                 kv_tokens=round(count * mean_kv))
+        return decide(cost, at, capacity, policy, now).admitted
+
+    low, high = 0, max(1, capacity.slots)
+    while fits(high) and high < 1 << 20:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return max(1, low + 1)
