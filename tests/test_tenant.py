@@ -4,6 +4,7 @@ verifying real (HS256) JWTs in front of ``extproc serve``, attacked with spoofed
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -53,6 +54,8 @@ from extproc.stack import LocalStack
 from extproc.tenant import Fallback, Tenants
 from tests.conftest import pool
 from tests.extproc_client import Stream, body, chat, headers
+from tests.traffic import Ask as TrafficAsk
+from tests.traffic import Traffic, count, figures
 
 CHAT = "/v1/chat/completions"
 ISSUER = "https://issuer.extproc.test"
@@ -395,3 +398,50 @@ def test_spoofed_tenant_headers_never_charge_another_tenant(
     stack.stop()  # flushes the decision log
     logged = sorted(r.tenant or "" for r in decisionlog.read(log_path))
     assert logged == ["acme"] * len(attempts) + ["anonymous", "initech"]
+
+
+# --- fair shares, end to end -------------------------------------------------------------------
+
+async def neighbours(stack: LocalStack, seconds: float = 6.0) -> tuple[float, float]:
+    """Tenant acme sends 10 requests a second, steadily; tenant globex floods the gateway
+    with 32 clients that send again the moment they are answered (429s included). Returns
+    the share of each tenant's requests served (200)."""
+    steady = Traffic(stack.url, TrafficAsk(max_tokens=16, output_tokens=8,
+                                           bearer=token("acme")), timeout_s=30.0)
+    flood = Traffic(stack.url, TrafficAsk(max_tokens=16, output_tokens=8,
+                                          bearer=token("globex")), timeout_s=30.0)
+    async with steady, flood:
+        stop = asyncio.Event()
+        burst = asyncio.create_task(flood.closed(32, stop))
+        await asyncio.sleep(1.0)  # the flood is on before acme's measured requests
+        await steady.open(10.0, seconds)
+        stop.set()
+        await burst
+
+    def served(t: Traffic) -> float:
+        return count(t.replies).get("200", 0) / max(1, len(t.replies))
+
+    return served(steady), served(flood)
+
+
+@pytest.mark.integration
+def test_a_flooding_tenant_does_not_take_a_steady_tenant_s_share(stack_factory: Any) -> None:
+    """Real Envoy verifying real JWTs, a fake backend of 8 slots: with fair shares on, the
+    steady tenant is served (the flooding one absorbs the 429s); with them off, the flood
+    takes the slots as they free and the steady tenant is refused with it."""
+    results = {}
+    for fair in (True, False):
+        stack = stack_factory(
+            {"pools": [pool(max_num_seqs=8)],
+             "tenant": {"source": "metadata", "known": KNOWN, "fair_share": fair}},
+            envoy={"http_filters": (jwt_filter(),)},
+            backend_args=["--max-running", "8", "--time-scale", "0.5"])
+        results[fair] = asyncio.run(neighbours(stack))
+        refusals = stack.metric("extproc_priority_decisions_total", {"reason": "fair_share"})
+        assert (refusals > 0) is fair
+        stack.stop()
+    (acme_fair, globex_fair), (acme_plain, _) = results[True], results[False]
+    print(figures(acme_fair=acme_fair, globex_fair=globex_fair, acme_plain=acme_plain))
+    assert acme_fair >= 0.9
+    assert acme_fair > globex_fair
+    assert acme_fair > acme_plain + 0.1

@@ -68,6 +68,7 @@ class Ask:
     max_tokens: int = 64
     output_tokens: int = 8
     deadline_ms: float | None = None  # sent as x-admission-deadline-ms
+    bearer: str | None = None  # sent as the Authorization header (a JWT, for a tenant)
 
     def texts(self, seed: int = 0) -> list[str]:
         """A few prompts of ``prompt_tokens`` tokens' worth (made once: it takes a while)."""
@@ -85,6 +86,8 @@ class Ask:
     def headers(self) -> dict[str, str]:
         extra = {} if self.deadline_ms is None else {
             "x-admission-deadline-ms": f"{self.deadline_ms:.0f}"}
+        if self.bearer is not None:
+            extra["authorization"] = f"Bearer {self.bearer}"
         return {"content-type": "application/json", **extra}
 
 
