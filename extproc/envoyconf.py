@@ -311,7 +311,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             HttpFilter(name="envoy.filters.http.router", typed_config=doc.pack(Router())),
         ],
     ), "codec_type")
-    _trust_tenant_source(doc, config.tenant, hcm)
+    _trust_tenant_source(doc, config.tenant, hcm, config.priority.header)
     otel = _collector(config.tracing.endpoint)
     if otel is not None:
         # Envoy's own span for each request, exported to the same collector as ours; the
@@ -386,7 +386,8 @@ def _forwarded_metadata(tenant: TenantConfig) -> MetadataOptions | None:
         untyped=[tenant.metadata_namespace]))
 
 
-def _trust_tenant_source(doc: _Doc, tenant: TenantConfig, hcm: HttpConnectionManager) -> None:
+def _trust_tenant_source(doc: _Doc, tenant: TenantConfig, hcm: HttpConnectionManager,
+                         priority_header: str | None = None) -> None:
     """What makes a tenant unforgeable by clients (extproc.tenant):
 
     - any source: headers with underscores are dropped (``x_tenant_id`` is not our header,
@@ -397,17 +398,21 @@ def _trust_tenant_source(doc: _Doc, tenant: TenantConfig, hcm: HttpConnectionMan
       connection manager's early header mutation; route-level ``request_headers_to_remove``
       would be too late: the router applies it after ext_proc has seen the header). Only a
       filter of this chain, e.g. jwt_authn's ``claim_to_headers``, can set it again.
+    - ``priority.header`` (extproc.share) is trusted the same way: removed early, set only by
+      the operator's filters (from a verified claim, or per route).
     """
-    if tenant.source is TenantSource.NONE:
+    if tenant.source is TenantSource.NONE and priority_header is None:
         return
     hcm.common_http_protocol_options = core.HttpProtocolOptions(
         headers_with_underscores_action=(
             core.HttpProtocolOptionsHeadersWithUnderscoresAction.DROP_HEADER))
-    if tenant.source is TenantSource.HEADER:
+    removed = [*([tenant.header] if tenant.source is TenantSource.HEADER else []),
+               *([priority_header] if priority_header is not None else [])]
+    if removed:
         hcm.early_header_mutation_extensions = [core.TypedExtensionConfig(
             name="envoy.http.early_header_mutation.header_mutation",
             typed_config=doc.pack(early_header_mutation.HeaderMutation(
-                mutations=[HeaderMutation(remove=tenant.header)])),
+                mutations=[HeaderMutation(remove=name) for name in removed])),
         )]
 
 

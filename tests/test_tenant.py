@@ -194,6 +194,18 @@ def test_header_source_removes_every_client_copy_before_any_filter() -> None:
     assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == "DROP_HEADER"
 
 
+def test_the_priority_header_is_removed_from_clients_like_the_tenant_header() -> None:
+    c = config.from_mapping({"tenant": {"source": "header", "header": "x-org"},
+                             "priority": {"header": "x-priority"}})
+    hcm, _ = _hcm_and_ext_proc(envoyconf.bootstrap(c, envoyconf.Topology()))
+    [early] = hcm["early_header_mutation_extensions"]
+    assert early["typed_config"]["mutations"] == [{"remove": "x-org"}, {"remove": "x-priority"}]
+    alone = config.from_mapping({"priority": {"header": "x-priority"}})
+    hcm, _ = _hcm_and_ext_proc(envoyconf.bootstrap(alone, envoyconf.Topology()))
+    [early] = hcm["early_header_mutation_extensions"]
+    assert early["typed_config"]["mutations"] == [{"remove": "x-priority"}]
+
+
 def test_without_tenant_attribution_none_of_it_is_rendered() -> None:
     hcm, ext = _hcm_and_ext_proc(envoyconf.bootstrap(config.from_mapping({}),
                                                      envoyconf.Topology()))
@@ -445,3 +457,34 @@ def test_a_flooding_tenant_does_not_take_a_steady_tenant_s_share(stack_factory: 
     assert acme_fair >= 0.9
     assert acme_fair > globex_fair
     assert acme_fair > acme_plain + 0.1
+
+
+def priority_setter(value: str) -> HttpFilter:
+    """An operator's filter naming the priority (here for every request; per route or from a
+    verified claim in practice)."""
+    return HttpFilter(name="envoy.filters.http.header_mutation", typed_config=AnyProto.pack(
+        HeaderMutationFilter(mutations=HeaderMutationFilterMutations(request_mutations=[
+            HeaderMutation(append=HeaderValueOption(
+                header=HeaderValue(key="x-priority", value=value),
+                append_action=HeaderValueOptionHeaderAppendAction.APPEND_IF_EXISTS_OR_ADD)),
+        ]))))
+
+
+@pytest.mark.integration
+def test_a_client_cannot_state_its_own_priority(stack_factory: Any) -> None:
+    """Through real Envoy: a client's x-priority never arrives (removed before any filter);
+    the one the operator's filter sets does."""
+    settings = {"pools": [pool(max_num_seqs=8)], "priority": {"header": "x-priority"}}
+    plain = stack_factory(settings)
+    assert send(plain, [("x-priority", "critical")]) == 200
+    assert send(plain, [("X-Priority", "critical"), ("x-priority", "100")]) == 200
+
+    def decided(stack: LocalStack, priority: str) -> float:
+        return stack.metric("extproc_priority_decisions_total", {"priority": priority})
+
+    wait_for(lambda: decided(plain, "standard") == 2)
+    assert decided(plain, "critical") == 0 and decided(plain, "100") == 0
+    set_by_envoy = stack_factory(settings, envoy={"http_filters": (priority_setter("sheddable"),)})
+    assert send(set_by_envoy, [("x-priority", "critical")]) == 200
+    wait_for(lambda: decided(set_by_envoy, "sheddable") == 1)
+    assert decided(set_by_envoy, "critical") == 0
