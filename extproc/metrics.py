@@ -61,9 +61,10 @@ class Metrics:
             "Decisions that could not be taken as designed: count_wait (a close decision"
             " decided on its estimate's high end: the exact count was too slow), too_late (the"
             " stream ended before we answered: Envoy's message timeout, which forwards the"
-            " request unchecked when fail-open, or a client gone).", ["kind"],
+            " request unchecked when fail-open, or a client gone), priority_header (the"
+            " priority header named no priority: the next source decided).", ["kind"],
             registry=self.registry)
-        for kind in ("count_wait", "too_late"):
+        for kind in ("count_wait", "too_late", "priority_header"):
             self.fallthroughs.labels(kind)
         self.prompt_counts = Counter(
             "extproc_prompt_token_counts",
