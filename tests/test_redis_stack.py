@@ -199,3 +199,48 @@ def test_kill_9_of_a_replica_mid_request_gives_its_capacity_back_after_the_lease
     finally:
         for s in held + probes:
             s.close()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "memory-control"])
+def test_two_replicas_on_one_redis_hold_a_tenant_to_its_cap_between_them(
+        tmp_path: Path, redis: RedisServer, shared: bool) -> None:
+    """A tenant capped at 3 requests in flight sends bursts of 12 through Envoy's two
+    replicas (JWT-verified tenant): on one Redis exactly 3 of each burst are admitted, the
+    rest refused ``tenant_cap``; with each replica's own ledger, each admits its 3."""
+    from tests.test_tenant import jwt_filter, token
+
+    ledger = {"kind": "redis", "url": redis.url, "key_prefix": f"caps{next(_prefixes)}",
+              "timeout_ms": 500, "decision_deadline_ms": 1_000} if shared else {}
+    cfg = {"pools": [pool(replicas=1, max_num_seqs=16)],
+           "classes": {"latency": {"deadline_ms": 60_000, "ttft_ms": 0}},
+           "tenant": {"source": "metadata", "known": ["acme"],
+                      "tenants": {"acme": {"max_inflight": 3}}},
+           "ledger": ledger}
+    headers = {"authorization": f"Bearer {token('acme')}"}
+    with LocalStack(tmp_path / "caps", cfg, extproc_replicas=2,
+                    envoy={"http_filters": (jwt_filter(),)},
+                    backend_args=["--max-running", "16", "--time-scale", "0.5"]) as stack:
+        admitted = []
+        for _ in range(4):
+            statuses: list[int] = []
+            threads = [threading.Thread(target=lambda: statuses.append(
+                post(stack.url + CHAT, story(), headers))) for _ in range(12)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert set(statuses) <= {200, 429}
+            admitted.append(statuses.count(200))
+        assert all(_decisions(stack, i) > 0 for i in range(2)), "Envoy used both replicas"
+        capped = sum(scrape_reason(stack, i, "tenant_cap") for i in range(2))
+    if shared:
+        assert admitted == [3, 3, 3, 3] and capped == 36
+    else:  # the control: each replica keeps its own count
+        assert max(admitted) > 3
+
+
+def scrape_reason(stack: LocalStack, replica: int, reason: str) -> float:
+    from extproc.stack import scrape
+
+    return scrape(stack.replica_metrics_url(replica), "extproc_priority_decisions_total",
+                  {"reason": reason})
