@@ -102,6 +102,7 @@ CALIBRATION_PRIOR = 1000.0  # requests at the target miss rate: ten misses, pred
 DEMAND_MEMORY_S = 60.0
 FLOW_MEMORY_S = 30.0  # a group's arrivals and durations (extproc.share)
 FLOW_FORGOTTEN = 0.01  # a group whose decayed arrivals fall below this is dropped
+SPREAD_WEIGHT = 0.02  # the admission limit's spread: about the last 50 decisions
 MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
 CLASS_SHARE = 0.05  # a class counts as served from this share of recent requests
 CENSOR_REFRESH_S = 1.0  # the answers in flight are folded into the lengths this often
@@ -174,6 +175,27 @@ class Promise:
         self._predicted *= factor
         self._expected *= factor
         self._missed *= factor
+
+
+@dataclass
+class Spread:
+    """A decaying mean and standard deviation of a quantity sampled at decisions (each sample
+    weighs ``weight``): how much the admission limit a request meets varies from one arrival
+    to the next (``extproc.step``)."""
+
+    weight: float = SPREAD_WEIGHT
+    mean: float | None = None
+    variance: float = 0.0
+
+    def add(self, value: float) -> float:
+        """Record ``value``; returns the standard deviation so far."""
+        if self.mean is None:
+            self.mean = value
+            return 0.0
+        delta = value - self.mean
+        self.mean += self.weight * delta
+        self.variance = (1.0 - self.weight) * (self.variance + self.weight * delta * delta)
+        return math.sqrt(self.variance)
 
 
 @dataclass
@@ -291,6 +313,7 @@ class PoolLearning:
         self._due: list[tuple[float, str]] = []
         self._ended: dict[str, tuple[str, bool, float, float]] = {}
         self.backlog = Backlog()
+        self.limit = Spread()  # the admission limit demoted requests meet (extproc.step)
 
     def promise(self, service_class: str) -> Promise:
         promise = self.promises.get(service_class)

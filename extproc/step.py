@@ -62,6 +62,7 @@ from extproc.learning import PoolLearning, Running
 from extproc.ledger import Cap
 from extproc.lengths import PRIOR_SAMPLES
 from extproc.share import (
+    RESERVE_Z,
     level_of,
     over_share,
     priority_group,
@@ -386,6 +387,7 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
     if not protected and not several:
         return None
     limit = _limit(cost, snapshot, capacity, policy, now)
+    swing = learning.limit.add(limit)
     if several:
         assert ask.tenant is not None
         # Each tenant's demand: its outstanding work, or what its arrivals keep in flight
@@ -417,7 +419,10 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
     held_s = (sum(f.rate(now) * (f.duration_s or horizon_s) for f in levels) / arriving
               if arriving > 0 else horizon_s)
     departures = max(limit, n) / held_s if held_s > 0 else math.inf
-    kept = math.ceil(reserve(rate, departures, horizon_s) - 1e-9)
+    # The limit a protected request meets is not the one this request met: it moves with
+    # the traffic's mix from one arrival to the next, and with each request's own size. The
+    # reserve covers two of its measured standard deviations too.
+    kept = math.ceil(reserve(rate, departures, horizon_s) + RESERVE_Z * swing - 1e-9)
     if kept <= 0:
         return None
     mean_kv = snapshot.kv_tokens / n if n else cost.kv
