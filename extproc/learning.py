@@ -251,14 +251,17 @@ class Demand:
     def measured(self) -> bool:
         return self._durations > 0
 
-    def rate(self, now: float) -> float:
+    def rate(self, now: float, z: float = 0.0) -> float:
         """Arrivals a second: the decayed count over the decayed time it was counted in (a
-        stream younger than its memory is not averaged with the time before it began)."""
+        stream younger than its memory is not averaged with the time before it began). With
+        ``z``, the count less ``z`` Poisson standard deviations: a rate there is evidence
+        for (one arrival in a second is no stream of one a second)."""
         self._decay(now)
         if self._first is None:
             return 0.0
         age = max(1.0, now - self._first)
-        return self._arrivals / (self.memory_s * -math.expm1(-age / self.memory_s))
+        seen = max(0.0, self._arrivals - z * math.sqrt(self._arrivals))
+        return seen / (self.memory_s * -math.expm1(-age / self.memory_s))
 
     @property
     def duration_s(self) -> float:

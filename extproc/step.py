@@ -411,7 +411,7 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
     if not protected:
         return None
     horizon_s = decision.completion_ms / 1000.0
-    rate = sum(learning.flows[g].rate(now) for g in protected) / share
+    rate = sum(learning.flows[g].rate(now, RESERVE_Z) for g in protected) / share
     # Departures near the limit: the requests the pool holds there over the mean time in
     # flight of the requests arriving.
     levels = [f for g, f in learning.flows.items() if level_of(g) is not None]

@@ -297,8 +297,10 @@ async def test_the_server_charges_the_tenant_of_the_forwarded_metadata(
     assert service.metrics.registry.get_sample_value(
         "extproc_tenant_fallbacks_total", {"why": "missing"}) == 1
     service.gate.decision_log.flush()  # type: ignore[union-attr]
-    logged = sorted(r.tenant or "" for r in decisionlog.read(tmp_path / "decisions.jsonl"))
+    records = list(decisionlog.read(tmp_path / "decisions.jsonl"))
+    logged = sorted(r.tenant or "" for r in records)
     assert logged == ["acme", "anonymous", "initech"]
+    assert {r.priority for r in records} == {0}  # standard: nothing names another
 
 
 # --- end to end: real Envoy verifying real JWTs ----------------------------------------------

@@ -49,6 +49,7 @@ def test_decision_span_is_a_child_of_envoys_span(stack_factory: Any) -> None:
     attrs = span["attributes"]
     assert attrs["extproc.outcome"] == "admit" and attrs["extproc.reason"] == "fits"
     assert attrs["extproc.pool"] == "llama" and attrs["extproc.service_class"] == "latency"
+    assert attrs["extproc.priority"] == "standard"
     assert attrs["gen_ai.request.model"] == "llama-3"
     assert attrs["gen_ai.usage.input_tokens"] > 0
     assert attrs["gen_ai.request.max_tokens"] == 8 and attrs["gen_ai.request.stream"] is False

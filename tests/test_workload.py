@@ -44,21 +44,26 @@ def test_azure_window_cuts_the_original_timeline(tmp_path: Path) -> None:
 
 def test_jsonl_round_trip(tmp_path: Path) -> None:
     jobs = [workload.Job(0.5, 800, 97, 256, "latency", "a"),
-            workload.Job(1.25, 12, 3, None, "throughput", "b", deadline_ms=5000.0)]
+            workload.Job(1.25, 12, 3, None, "throughput", "b", deadline_ms=5000.0),
+            workload.Job(2.0, 12, 3, None, "latency", "b", priority=-1),
+            workload.Job(2.5, 12, 3, None, "latency", "b", priority=7)]
     path = tmp_path / "jobs.jsonl"
     workload.write_jsonl(jobs, path)
     assert workload.read_jsonl(path) == jobs
     assert workload.sniff(path) == "jsonl"
-    assert [j.arrival_s for j in workload.read_jsonl(path, rate_x=2.0)] == [0.25, 0.625]
+    assert [j.arrival_s for j in workload.read_jsonl(path, rate_x=2.0)] == [0.25, 0.625, 1.0,
+                                                                         1.25]
+    assert '"priority": "sheddable"' in path.read_text()  # as a header would name it
 
 
 def test_jsonl_names_every_bad_field(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"arrival_s": -1, "prompt_tokens": "x"}) + "\n")
+    path.write_text(json.dumps({"arrival_s": -1, "prompt_tokens": "x", "priority": "urgent"})
+                    + "\n")
     with pytest.raises(ConfigError) as err:
         workload.read_jsonl(path)
     text = str(err.value)
-    for key in ("arrival_s", "prompt_tokens", "output_tokens"):
+    for key in ("arrival_s", "prompt_tokens", "output_tokens", "priority"):
         assert key in text
 
 
