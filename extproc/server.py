@@ -75,7 +75,7 @@ from extproc.config import Config, ContentEncoding
 from extproc.control import Control
 from extproc.enginestats import EngineStats, Targets
 from extproc.errors import BodyTooLarge, LedgerUnavailable, RequestError
-from extproc.gate import Gate, Ticket, Verdict
+from extproc.gate import HEARTBEATS_PER_LEASE, Gate, Ticket, Verdict
 from extproc.keda import ExternalScaler
 from extproc.keda import add_to_server as add_scaler
 from extproc.ledger import Ledger
@@ -348,6 +348,7 @@ class Service:
         await site.start()
         self.metrics_port = self._runner.addresses[0][1]
         self._tasks.append(asyncio.create_task(self._sweep()))
+        self._tasks.append(asyncio.create_task(self._heartbeat()))
         log.info("serving", extra={"grpc": self.grpc_port, "metrics": self.metrics_port,
                                    "mode": self.config.mode.value})
 
@@ -366,6 +367,19 @@ class Service:
                 log.debug("lease sweep skipped: %s", exc)
             except Exception:
                 log.exception("lease sweep failed")
+
+    async def _heartbeat(self) -> None:
+        """Renew this process's ledger entries every third of their lease (``Gate.heartbeat``):
+        when the process dies they lapse within ``ledger.liveness_ms``."""
+        period = self.config.ledger.liveness_ms / 1000.0 / HEARTBEATS_PER_LEASE
+        while not self._closing:
+            await asyncio.sleep(period)
+            try:
+                await self.gate.heartbeat()
+            except LedgerUnavailable as exc:  # the health probe reports the outage
+                log.debug("heartbeat skipped: %s", exc)
+            except Exception:
+                log.exception("heartbeat failed")
 
     async def probe_ledger(self) -> bool:
         """Probe the ledger once and report it on ``extproc.ledger`` (and the metric)."""

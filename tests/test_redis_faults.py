@@ -217,19 +217,40 @@ async def _is_serving(health: health_pb2_grpc.HealthStub, up: bool = True) -> bo
 
 async def test_a_lease_shorter_than_the_request_is_renewed_and_never_reclaimed(
         redis: RedisServer, service_factory: Any) -> None:
-    """Lease ~0.2 s (expected finish of 5 tokens + 100 ms grace), renewed every third of it,
-    while every gateway sweeps lapsed entries every 50 ms; the stream stays open 1.5 s."""
-    svc, stub, _ = await service_factory(settings(redis.url, lease_grace_ms=100))
+    """Lease 150 ms (``liveness_ms``), renewed by the heartbeat every 50 ms, while every
+    gateway sweeps lapsed entries every 50 ms; the stream stays open 1.5 s, ten leases."""
+    svc, stub, _ = await service_factory(settings(redis.url, liveness_ms=150))
     s, verdict, _ = await ask(stub, max_tokens=5)
     assert verdict == "continue"
-    lease_ms = float(svc.gate.config.ledger.lease_grace_ms) + 5 * 18.6 + 1
-    assert lease_ms < 300
+    assert svc.gate.config.ledger.liveness_ms == 150
     end = time.monotonic() + 1.5
     while time.monotonic() < end:
         assert leases(redis) == 1, "entry reclaimed while its stream is open"
         await asyncio.sleep(0.02)
     await s.close()
     assert leases(redis) == 0
+
+
+async def test_a_dead_gateways_entries_lapse_within_its_liveness(
+        redis: RedisServer, service_factory: Any) -> None:
+    """A gateway that stops beating (its heartbeat task gone, as in a kill -9) leaves entries
+    that a surviving gateway's sweeper removes within ``liveness_ms`` plus a sweep, where the
+    request's own expected finish + grace would have kept them for a minute."""
+    dead, dead_stub, _ = await service_factory(settings(redis.url, liveness_ms=600,
+                                                        lease_grace_ms=60_000))
+    await service_factory(settings(redis.url, liveness_ms=600))  # the survivor sweeps
+    held = [await ask(dead_stub) for _ in range(3)]
+    assert [v for _, v, _ in held] == ["continue"] * 3 and leases(redis) == 3
+    beating = [t for t in dead._tasks if t.get_coro().__qualname__.endswith("_heartbeat")]
+    assert len(beating) == 1
+    beating[0].cancel()
+    stopped = time.monotonic()
+    await until(lambda: leases(redis) == 0, 10, "dead gateway's entries reclaimed")
+    took = time.monotonic() - stopped
+    print(f"reclaimed_s={took:.2f}")
+    assert took < 0.6 + 0.2 + 1.0  # the lease, its last beat's age, a sweep; slack
+    for s, _, _ in held:
+        await s.close()
 
 
 async def test_entries_redis_lost_and_fail_open_admissions_are_recorded_once_it_returns(

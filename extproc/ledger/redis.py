@@ -12,7 +12,8 @@ every script touches a single slot (never CROSSSLOT)::
 
 Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header):
 ``reserve`` checks the ceiling and records in one atomic step, ``release`` removes exactly once,
-``renew`` moves a lease end, ``adjust`` changes a live entry's cost, ``expire`` drops at most
+``renew`` moves a lease end, ``heartbeat`` moves many (a replica's live entries, batched),
+``adjust`` changes a live entry's cost, ``expire`` drops at most
 ``sweep_batch`` lapsed entries per call, ``snapshot`` reads the count and the totals together.
 The totals are aggregates the scripts keep, never a sum over members, so each call costs
 O(log n) whatever the load. Lease ends come from Redis's ``TIME``: gateway clocks never matter.
@@ -78,8 +79,10 @@ class _Script:
             return await client.eval(self.source, len(keys), *keys, *args)
 
 
-_RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT = (
-    _Script(n) for n in ("reserve", "release", "renew", "adjust", "expire", "snapshot"))
+_RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT, _HEARTBEAT = (
+    _Script(n) for n in ("reserve", "release", "renew", "adjust", "expire", "snapshot",
+                         "heartbeat"))
+HEARTBEAT_BATCH = 500  # ids per heartbeat script call: one call never holds Redis long
 
 
 def _num(value: float) -> str:
@@ -135,6 +138,16 @@ class RedisLedger:
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
         leases = self.keys(pool)[0]
         return bool(await self._run("renew", _RENEW, (leases,), (request_id, _num(lease_ms))))
+
+    async def heartbeat(self, pool: str, request_ids: Sequence[str],
+                        lease_ms: float) -> list[str]:
+        leases = self.keys(pool)[0]
+        missing: list[str] = []
+        for i in range(0, len(request_ids), HEARTBEAT_BATCH):
+            batch = request_ids[i:i + HEARTBEAT_BATCH]
+            gone = await self._run("heartbeat", _HEARTBEAT, (leases,), (_num(lease_ms), *batch))
+            missing += [_text(g) for g in gone]
+        return missing
 
     async def adjust(self, request_id: str, pool: str, cost_ms: float,
                      kv_tokens: int | None = None) -> bool:
