@@ -54,6 +54,7 @@ async def round_trip(ledger: RedisLedger) -> None:
         assert await ledger.reserve(entry("a", 600.0), ceiling_ms=1_000.0)
         assert not await ledger.reserve(entry("b", 500.0), ceiling_ms=1_000.0)
         assert await ledger.renew("a", "p", 60_000)
+        assert await ledger.heartbeat("p", ["a", "b"], 60_000) == ["b"]
         assert await ledger.adjust("a", "p", 650.0)
         snap = await ledger.snapshot("p")
         assert (snap.inflight, snap.outstanding_ms) == (1, 650.0)

@@ -283,3 +283,36 @@ async def test_a_release_redis_missed_is_retried_long_before_the_lease_ends(
     took = await until(lambda: leases(redis) == 0, 3, "deferred release applied")
     assert took < 1.0  # a minute before the lease would have ended it
     assert isinstance(svc.gate.ledger, RedisLedger)
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+async def test_no_spurious_ledger_unavailable_once_a_restarted_redis_answers(
+        redis: RedisServer, service_factory: Any, how: str) -> None:
+    """Pooled connections to the Redis that went away are dead; once the new one answers, no
+    decision may fail on one of them (fail-closed would refuse it with 429
+    ``ledger_unavailable``): a connection error gets one immediate retry on a fresh one."""
+    svc, stub, health = await service_factory(settings(redis.url, "fail_closed",
+                                                       timeout_ms=500,
+                                                       decision_deadline_ms=1_000))
+    refused: list[str] = []
+    for _ in range(3):  # a pool of several connections, as concurrent decisions leave it
+        streams = await asyncio.gather(*(ask(stub) for _ in range(8)))
+        assert [v for _, v, _ in streams] == ["continue"] * 8
+        for s, _, _ in streams:
+            await s.close()
+        redis.kill() if how == "kill" else redis.stop()
+        redis.start()
+        await until(lambda: _is_serving(health), 5, "ledger probe back")
+        streams = await asyncio.gather(*(ask(stub) for _ in range(8)))
+        refused += [v for _, v, _ in streams if v != "continue"]
+        for s, _, _ in streams:
+            await s.close()
+        for _ in range(8):
+            s, verdict, _ = await ask(stub)
+            if verdict != "continue":
+                refused.append(verdict)
+            await s.close()
+    print(f"restarts=3 decisions_after=48 refused={len(refused)}")
+    assert refused == []
+    assert fallbacks(svc, "fail_closed") == 0
+    assert leases(redis) == 0
