@@ -231,6 +231,9 @@ class Gate:
         self._deferred: dict[str, str] = {}  # request id -> pool: releases to retry
         self._live: dict[str, Ticket] = {}  # request id -> ticket: what the heartbeat renews
         self._reconciling = asyncio.Lock()
+        self._unreachable = False  # the last ledger call failed
+        self._stale = False  # the ledger came back and our entries are not renewed yet
+        self._back_at = -math.inf  # the gate's clock when the ledger last came back
         self._down_since: float | None = None  # the ledger has been unavailable since
         self._down_decisions = 0
         for pool in config.pools:
@@ -458,13 +461,24 @@ class Gate:
             self._down_decisions = 0
 
     async def _ledger(self, op: str, call: Awaitable[T]) -> T:
-        """One ledger call, timed; a failure is counted and re-raised."""
+        """One ledger call, timed; a failure is counted and re-raised. The first success
+        after a failure marks the ledger as back (``reconcile``, ``sweep``)."""
         started = time.perf_counter()
         try:
-            return await call
+            result = await call
         except LedgerUnavailable:
             self.metrics.ledger_errors.labels(op).inc()
+            self._unreachable = True
             raise
+        except TimeoutError:  # the decision's deadline cut the call short
+            self._unreachable = True
+            raise
+        else:
+            if self._unreachable:
+                self._unreachable = False
+                self._stale = True
+                self._back_at = self._clock()
+            return result
         finally:
             self.metrics.ledger_seconds.labels(op).observe(time.perf_counter() - started)
 
@@ -643,8 +657,10 @@ class Gate:
             await self._ledger("release", self.ledger.release(ticket.request_id, ticket.pool))
 
     def owed(self) -> bool:
-        """Releases the ledger missed, or requests admitted without it, are waiting."""
-        return bool(self._deferred) or any(not t.recorded for t in self._live.values())
+        """Releases the ledger missed, requests admitted without it, or (the ledger was
+        away) entries whose leases may have lapsed meanwhile are waiting."""
+        return (self._stale or bool(self._deferred)
+                or any(not t.recorded for t in self._live.values()))
 
     async def reconcile(self) -> None:
         """Give the ledger what it missed while away: the releases first (they free room),
@@ -654,6 +670,13 @@ class Gate:
             for request_id, pool in list(self._deferred.items()):
                 await self._ledger("release", self.ledger.release(request_id, pool))
                 self._deferred.pop(request_id, None)
+            if self._stale:  # an outage longer than a lease: every entry may have lapsed
+                self._stale = False
+                try:
+                    await self.heartbeat()  # renews ours, records the lapsed and the unrecorded
+                except BaseException:
+                    self._stale = True
+                    raise
             for ticket in [t for t in self._live.values() if not t.recorded]:
                 if not ticket.settled:
                     await self._record(ticket)
@@ -699,6 +722,11 @@ class Gate:
         self.forget()
         if self.owed():
             await self.reconcile()
+        if self._clock() - self._back_at < self.config.ledger.liveness_ms / 1000.0:
+            # The ledger was away until moments ago: every gateway's leases ran on while none
+            # could renew them. Expiring now would reclaim requests still running behind
+            # gateways that have not beaten yet; one lease from now all living ones have.
+            return 0
         return await self._ledger("expire", self.ledger.expire())
 
 

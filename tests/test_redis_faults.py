@@ -5,6 +5,7 @@ stopped (SIGSTOP), killed, restarted empty or absent at start."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -316,3 +317,73 @@ async def test_no_spurious_ledger_unavailable_once_a_restarted_redis_answers(
     assert refused == []
     assert fallbacks(svc, "fail_closed") == 0
     assert leases(redis) == 0
+
+
+def slots_settings(url: str, **ledger: Any) -> config.Config:
+    """8 slots (2 replicas x 4) and a deadline no wait for a slot fits: exactly 8 run."""
+    return config.from_mapping({
+        "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
+        "pools": [{"name": "llama", "replicas": 2, "models": ["*"],
+                   "engine": {"max_num_seqs": 4, "step_base_ms": 1.1, "ms_per_seq": 0.82}}],
+        "ledger": {"kind": "redis", "url": url, "timeout_ms": 50, "decision_deadline_ms": 300,
+                   "sweep_interval_ms": 50, "liveness_ms": 600,
+                   "breaker": {"failures": 3, "cooldown_ms": 100}, **ledger},
+    })
+
+
+async def tight(stub: pb_grpc.ExternalProcessorStub) -> tuple[Stream, str]:
+    s = Stream(stub)
+    await s.send(headers(**{"x-admission-deadline-ms": "1200"}))
+    return s, outcome(await s.send(body(chat(300))))
+
+
+async def test_fail_open_recovery_is_reconciled_before_the_first_decision(
+        redis: RedisServer, service_factory: Any) -> None:
+    """Two gateways, 8 slots, a Redis outage twice as long as a lease (every entry lapses on
+    Redis's clock). During it one gateway's requests end (releases Redis misses) and the other
+    admits on its local view. The moment Redis answers, a burst of 16 hits both gateways:
+    each reconciles (releases, its outage admissions, its lapsed entries) before deciding, so
+    what runs never exceeds the slots by more than the outage admitted. (Before: 7 -> 16 -> 8
+    in flight within 1.5 s of recovery, outage admissions recorded late and releases left to
+    the sweeper.)"""
+    slots = 8
+    _, stub_a, health_a = await service_factory(slots_settings(redis.url))
+    b, stub_b, health_b = await service_factory(slots_settings(redis.url))
+    running: list[Stream] = []
+
+    async def admit(stub: pb_grpc.ExternalProcessorStub, n: int) -> int:
+        got = await asyncio.gather(*(tight(stub) for _ in range(n)))
+        for s, verdict in got:
+            if verdict == "continue":
+                running.append(s)
+            else:
+                await s.close()
+        return sum(v == "continue" for _, v in got)
+
+    assert await admit(stub_a, 4) == 4
+    assert await admit(stub_b, 2) == 2
+    ending = running[:2]  # two of gateway a's
+    redis.pause()
+    for s in ending:
+        await s.close()
+        running.remove(s)
+    outage_admitted = await admit(stub_b, 4)  # b's view: 6 in flight, 2 free
+    assert outage_admitted == 2 and fallbacks(b, "fail_open") >= 2
+    await asyncio.sleep(1.2)  # twice the lease: Redis's clock runs on while it is stopped
+    redis.resume()
+    # Recovered: each gateway's breaker let a trial call through and it answered (until then
+    # decisions are still the outage's, on the local view).
+    for health in (health_a, health_b):
+        await until(functools.partial(_is_serving, health), 3, "ledger answering again")
+    burst = await asyncio.gather(admit(stub_a, 8), admit(stub_b, 8))
+    peak = len(running)
+    print(f"slots={slots} outage_admitted={outage_admitted} burst_admitted={sum(burst)}"
+          f" in_flight_after={peak}")
+    assert peak <= slots + outage_admitted
+    assert peak == slots  # in fact exact: both reconciled before deciding
+    await until(lambda: leases(redis) == peak, 2, "ledger holds what runs")
+    await asyncio.sleep(1.0)  # past a lease: nothing running lapses
+    assert leases(redis) == peak
+    for s in running:
+        await s.close()
+    await until(lambda: leases(redis) == 0, 2, "ledger empty")
