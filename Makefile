@@ -47,7 +47,7 @@ typecheck: setup
 
 check: lint typecheck test
 
-# The failure-mode guarantees measured at length (~6 min on 2 cores: 100 bursts, kill -9 of a
+# The failure-mode guarantees measured at length (~3 min on 2 cores: 100 bursts, kill -9 of a
 # replica under 30 s of load both ways, 10 Redis restarts), figures to out/chaos/*.json; the
 # short runs of the same scenarios are part of `make test` (tests/test_chaos.py says which).
 chaos: setup

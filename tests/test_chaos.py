@@ -163,7 +163,8 @@ class Sampler:
     def __init__(self, stack: LocalStack, host_port: int) -> None:
         self.stack = stack
         self.host = f"127.0.0.1:{host_port}"
-        self.samples: list[tuple[float, int, int, bool]] = []  # (t, allowed, 503s, flagged)
+        # (t, passed without a processor, 5xx, dead host flagged, streams sent to the host)
+        self.samples: list[tuple[float, int, int, bool, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -175,20 +176,24 @@ class Sampler:
         self._stop.set()
         self._thread.join()
 
-    def _flagged(self) -> bool:
+    def _host(self) -> tuple[bool, int]:
+        """The host's health flags (failed?) and its ``rq_total`` from ``/clusters``."""
         url = f"http://127.0.0.1:{self.stack.admin_port}/clusters"
+        flagged, streams = False, 0
         with urllib.request.urlopen(url, timeout=2) as resp:
             for line in resp.read().decode().splitlines():
                 if line.startswith(f"extproc::{self.host}::health_flags::"):
-                    return "failed" in line
-        return False
+                    flagged = "failed" in line
+                elif line.startswith(f"extproc::{self.host}::rq_total::"):
+                    streams = int(line.rsplit("::", 1)[1])
+        return flagged, streams
 
     def _run(self) -> None:
         while not self._stop.is_set():
             stats = envoy_stats(self.stack.admin_port, "")
             allowed = stats.get(FAILED_STAT, 0)
             errors = stats.get("http.ingress.downstream_rq_5xx", 0)
-            self.samples.append((time.monotonic(), allowed, errors, self._flagged()))
+            self.samples.append((time.monotonic(), allowed, errors, *self._host()))
             self._stop.wait(0.05)
 
     def last_growth(self, index: int, after: float) -> float | None:
@@ -223,6 +228,7 @@ async def kill_under_load(stack: LocalStack, redis: RedisServer, sampler: Sample
             await asyncio.sleep(2.0)
             stack.processes["extproc1"].signal(signal.SIGKILL)
             killed = time.monotonic()
+            decided = await asyncio.to_thread(decisions, stack)  # a little after the kill
 
             def reclaimed() -> bool:
                 return not held_ids & set(redis.client().zrange(leases_key(), 0, -1))
@@ -231,10 +237,17 @@ async def kill_under_load(stack: LocalStack, redis: RedisServer, sampler: Sample
             await asyncio.sleep(max(0.0, killed + after_s - time.monotonic()))
             stop.set()
             await load
+            decided = await asyncio.to_thread(decisions, stack) - decided
     finally:
         for h in held:
             h.close()
-    return {"killed": killed, "reclaim_s": reclaim_s, "traffic": traffic}
+    return {"killed": killed, "reclaim_s": reclaim_s, "traffic": traffic,
+            "survivor_decisions": decided}
+
+
+def decisions(stack: LocalStack) -> float:
+    """The survivor's decisions (replica 0's ``extproc_admission_decisions_total``)."""
+    return scrape(stack.replica_metrics_url(0), "extproc_admission_decisions_total")
 
 
 @pytest.mark.parametrize("fail_open", [True, False], ids=["fail-open", "fail-closed"])
@@ -256,6 +269,8 @@ def test_kill_9_of_a_replica_under_load_stops_its_traffic_within_2_s(
     last = sampler.last_growth(index, killed)
     flagged = sampler.first_flagged(killed)
     late = traffic.between(killed + window_s, killed + after_s)
+    last_stream = sampler.last_growth(4, killed)
+    started_after = len(traffic.between(killed, killed + after_s))
     figures = {
         "policy": "fail_open" if fail_open else "fail_closed",
         "requests": len(traffic.replies), "outcomes": count(traffic.replies),
@@ -265,12 +280,18 @@ def test_kill_9_of_a_replica_under_load_stops_its_traffic_within_2_s(
         "last_unprocessed_s": None if last is None else round(last - killed, 3),
         "host_flagged_s": None if flagged is None else round(flagged - killed, 3),
         "dead_entries_reclaimed_s": round(run["reclaim_s"], 3),
+        "started_after_kill": started_after,
+        "decided_by_survivor_after_kill": run["survivor_decisions"],
+        "streams_to_dead_after_kill": sampler.grown(4, killed),
+        "last_stream_to_dead_s": None if last_stream is None else round(last_stream - killed, 3),
         "liveness_ms": LIVENESS_MS,
     }
     write(f"kill-{figures['policy']}-{'long' if after_s >= 30 else 'short'}", figures)
     assert flagged is not None and flagged - killed <= window_s, figures
     assert last is None or last - killed <= window_s, figures
     assert set(count(late)) <= {"200", "429"}, figures  # nothing fails after the window
+    # Envoy's own count of streams it sent to the dead host stops within the window
+    assert last_stream is None or last_stream - killed <= window_s, figures
     assert set(count(traffic.replies)) <= {"200", "429", "503"}, figures
     # the dead replica's entries: its last beat's lease, a sweep, slack for a busy machine
     assert run["reclaim_s"] <= LIVENESS_MS / 1000 + 0.2 + 2.0, figures
