@@ -115,6 +115,7 @@ MAX_PENDING_COUNTS = 8  # exact counts queued for the counting thread; beyond, e
 COUNT_WAIT_S = 0.25  # the most a close decision waits for its exact count (docstring)
 RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking the room
 HEARTBEATS_PER_LEASE = 3  # a lease survives two lost heartbeats
+RECORD_BATCH = 32  # entries recorded again concurrently after the ledger lost them
 MAX_DEFERRED_RELEASES = 100_000  # beyond this, a lost release is left to its lease
 T = TypeVar("T")
 
@@ -637,6 +638,7 @@ class Gate:
         for pool, ids in pools.items():
             missing = set(await self._ledger("heartbeat",
                                              self.ledger.heartbeat(pool, ids, lease_ms)))
+            lost = []
             for rid in ids:
                 live = self._live.get(rid)
                 if live is None:
@@ -644,7 +646,14 @@ class Gate:
                 if rid not in missing:
                     live.recorded = True
                 else:
-                    await self._record(live)
+                    lost.append(live)
+            await self._record_all(lost)
+
+    async def _record_all(self, tickets: Sequence[Ticket]) -> None:
+        """Record many at once, ``RECORD_BATCH`` calls in flight (after a Redis restart every
+        running request is lost: one at a time would keep the first decisions waiting)."""
+        for i in range(0, len(tickets), RECORD_BATCH):
+            await asyncio.gather(*(self._record(t) for t in tickets[i:i + RECORD_BATCH]))
 
     async def _record(self, ticket: Ticket) -> None:
         """Record a running request's entry again (no ceiling: it runs whatever the ledger
@@ -677,9 +686,8 @@ class Gate:
                 except BaseException:
                     self._stale = True
                     raise
-            for ticket in [t for t in self._live.values() if not t.recorded]:
-                if not ticket.settled:
-                    await self._record(ticket)
+            await self._record_all([t for t in self._live.values()
+                                    if not t.recorded and not t.settled])
 
     async def settle(self, ticket: Ticket, completed: bool = True) -> None:
         """Release a ticket's entry; shielded, so a cancelled stream still releases.
