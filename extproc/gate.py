@@ -231,6 +231,7 @@ class Gate:
                              if config.decision_log else None)
         self._deferred: dict[str, str] = {}  # request id -> pool: releases to retry
         self._live: dict[str, Ticket] = {}  # request id -> ticket: what the heartbeat renews
+        self._unrecorded: set[str] = set()  # live tickets admitted while the ledger was away
         self._reconciling = asyncio.Lock()
         self._unreachable = False  # the last ledger call failed
         self._stale = False  # the ledger came back and our entries are not renewed yet
@@ -615,6 +616,8 @@ class Gate:
                         ttft_ms=adm.decision.ttft_ms if adm.decision else 0.0,
                         step_ms=adm.decision.step_ms if adm.decision else 0.0)
         self._live[ticket.request_id] = ticket
+        if not recorded:
+            self._unrecorded.add(ticket.request_id)
         view = self._views.setdefault(entry.pool, _View())
         view.inflight += 1
         view.outstanding_ms += entry.cost_ms
@@ -644,7 +647,7 @@ class Gate:
                 if live is None:
                     continue
                 if rid not in missing:
-                    live.recorded = True
+                    self._recorded(live)
                 else:
                     lost.append(live)
             await self._record_all(lost)
@@ -661,15 +664,19 @@ class Gate:
         await self._ledger("reserve", self.ledger.reserve(Entry(
             ticket.request_id, ticket.pool, ticket.cost_ms, self.config.ledger.liveness_ms,
             ticket.kv_tokens)))
-        ticket.recorded = True
+        self._recorded(ticket)
         if ticket.settled:  # it ended while we recorded it: its release may have come first
             await self._ledger("release", self.ledger.release(ticket.request_id, ticket.pool))
 
+    def _recorded(self, ticket: Ticket) -> None:
+        ticket.recorded = True
+        self._unrecorded.discard(ticket.request_id)
+
     def owed(self) -> bool:
         """Releases the ledger missed, requests admitted without it, or (the ledger was
-        away) entries whose leases may have lapsed meanwhile are waiting."""
-        return (self._stale or bool(self._deferred)
-                or any(not t.recorded for t in self._live.values()))
+        away) entries whose leases may have lapsed meanwhile are waiting. O(1): every
+        decision asks."""
+        return self._stale or bool(self._deferred) or bool(self._unrecorded)
 
     async def reconcile(self) -> None:
         """Give the ledger what it missed while away: the releases first (they free room),
@@ -686,8 +693,8 @@ class Gate:
                 except BaseException:
                     self._stale = True
                     raise
-            await self._record_all([t for t in self._live.values()
-                                    if not t.recorded and not t.settled])
+            await self._record_all([self._live[rid] for rid in list(self._unrecorded)
+                                    if rid in self._live])
 
     async def settle(self, ticket: Ticket, completed: bool = True) -> None:
         """Release a ticket's entry; shielded, so a cancelled stream still releases.
@@ -701,6 +708,7 @@ class Gate:
         if self.control is not None:
             self.control.settled(ticket, completed)
         self._live.pop(ticket.request_id, None)
+        self._unrecorded.discard(ticket.request_id)
         if ticket.log is not None and self.decision_log is not None:
             self.decision_log.end(ticket.log, self._clock())
             ticket.log = None
