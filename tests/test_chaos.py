@@ -163,7 +163,9 @@ class Sampler:
     def __init__(self, stack: LocalStack, host_port: int) -> None:
         self.stack = stack
         self.host = f"127.0.0.1:{host_port}"
-        # (t, passed without a processor, 5xx, dead host flagged, streams sent to the host)
+        # (t, passed without a processor, 5xx, dead host flagged, streams sent to the host or
+        # attempted on it: rq_total + cx_connect_fail, since a refused connection never
+        # counts a request)
         self.samples: list[tuple[float, int, int, bool, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -177,15 +179,17 @@ class Sampler:
         self._thread.join()
 
     def _host(self) -> tuple[bool, int]:
-        """The host's health flags (failed?) and its ``rq_total`` from ``/clusters``."""
+        """The host's health flags (failed?) and its streams (``rq_total`` plus
+        ``cx_connect_fail``) from ``/clusters``."""
         url = f"http://127.0.0.1:{self.stack.admin_port}/clusters"
         flagged, streams = False, 0
         with urllib.request.urlopen(url, timeout=2) as resp:
             for line in resp.read().decode().splitlines():
                 if line.startswith(f"extproc::{self.host}::health_flags::"):
                     flagged = "failed" in line
-                elif line.startswith(f"extproc::{self.host}::rq_total::"):
-                    streams = int(line.rsplit("::", 1)[1])
+                elif line.startswith((f"extproc::{self.host}::rq_total::",
+                                      f"extproc::{self.host}::cx_connect_fail::")):
+                    streams += int(line.rsplit("::", 1)[1])
         return flagged, streams
 
     def _run(self) -> None:
