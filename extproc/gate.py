@@ -447,6 +447,7 @@ class Gate:
         return dataclasses.replace(verdict, ticket=self._ticket(entry, verdict, recorded=False))
 
     def _ledger_away(self, exc: Exception, on_unavailable: OnUnavailable) -> None:
+        self._unreachable = True  # also when the decision's deadline cut a call short
         self._down_decisions += 1
         if self._down_since is None:
             self._down_since = time.monotonic()
@@ -470,9 +471,6 @@ class Gate:
             result = await call
         except LedgerUnavailable:
             self.metrics.ledger_errors.labels(op).inc()
-            self._unreachable = True
-            raise
-        except TimeoutError:  # the decision's deadline cut the call short
             self._unreachable = True
             raise
         else:
