@@ -154,7 +154,10 @@ class LedgerConfig:
     """
 
     kind: str = "memory"
-    lease_grace_ms: float = 30_000.0
+    lease_grace_ms: float = 30_000.0  # the simulator's lease past a request's expected finish
+    # A gateway's entries outlive its last heartbeat by this much (extproc.gate): a replica
+    # that dies costs the fleet its requests' capacity for about this long, not a minute.
+    liveness_ms: float = 3_000.0
     sweep_interval_ms: float = 1_000.0
     url: str | None = None  # redis://, rediss:// (TLS) or unix:// ; a seed node for a cluster
     username: str | None = None
@@ -499,12 +502,15 @@ def _ledger(r: _Reader, raw: Any) -> LedgerConfig:
                   lambda v: None if v in ("memory", "redis") else "must be 'memory' or 'redis'")
     grace = r.take(led, p, "lease_grace_ms", float, d.lease_grace_ms, _positive)
     sweep = r.take(led, p, "sweep_interval_ms", float, d.sweep_interval_ms, _positive)
+    liveness = r.take(led, p, "liveness_ms", float, d.liveness_ms,
+                      lambda v: None if v >= 100 else "must be >= 100 (heartbeats every third)")
     if kind != "redis":
         for key in [k for k in led if k in _REDIS_KEYS]:
             r.problems.append(f"{p}{key}: only used with ledger.kind 'redis' (kind is {kind!r})")
             led.pop(key)
         r.leftovers(led, p)
-        return LedgerConfig(kind=kind, lease_grace_ms=grace, sweep_interval_ms=sweep)
+        return LedgerConfig(kind=kind, lease_grace_ms=grace, sweep_interval_ms=sweep,
+                            liveness_ms=liveness)
 
     # The URL and the password may carry a secret: their errors never quote the value.
     url = _secret(r, led, p, "url", _redis_url)
@@ -539,7 +545,8 @@ def _ledger(r: _Reader, raw: Any) -> LedgerConfig:
     )
     r.leftovers(brk, p + "breaker.")
     config = LedgerConfig(
-        kind=kind, lease_grace_ms=grace, sweep_interval_ms=sweep, url=url, username=username,
+        kind=kind, lease_grace_ms=grace, sweep_interval_ms=sweep, liveness_ms=liveness,
+        url=url, username=username,
         password=password, password_file=password_file, password_env=password_env, tls=tls,
         sentinel=sentinel, cluster=cluster,
         key_prefix=r.take(led, p, "key_prefix", str, d.key_prefix,

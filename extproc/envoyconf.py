@@ -26,6 +26,9 @@ Choices made here, each matching what the server expects:
   LLM streams (one ext_proc gRPC stream per HTTP request): both clusters get 100,000.
 - No route timeout: generations can run for many minutes; clients own their deadlines.
 - Upstream health checks on ``/health``.
+- The processor cluster: active gRPC health checks every 0.5 s (two failures take a host out)
+  and outlier detection on connection failures, so a dead or draining ``extproc serve`` stops
+  getting streams within about a second (``_processor_health_check``).
 - Tenant trust (only with ``tenant.source`` set; ``_trust_tenant_source``): the metadata
   namespace is forwarded to ext_proc, client copies of the tenant header are removed before
   any filter runs, headers with underscores are dropped. ``Topology.http_filters`` puts the
@@ -54,6 +57,7 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     ClusterDiscoveryType,
     LoadBalancingPolicy,
     LoadBalancingPolicyPolicy,
+    OutlierDetection,
 )
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
 from envoy_data_plane.envoy.config.core import v3 as core
@@ -62,6 +66,7 @@ from envoy_data_plane.envoy.config.core.v3 import (
     GrpcService,
     GrpcServiceEnvoyGrpc,
     HealthCheck,
+    HealthCheckGrpcHealthCheck,
     HealthCheckHttpHealthCheck,
     Http2ProtocolOptions,
     Pipe,
@@ -274,6 +279,36 @@ def _breakers(doc: _Doc) -> CircuitBreakers:
     ), "priority")])
 
 
+# A dead processor must stop getting streams within a couple of seconds (fail-open, each
+# stream it gets passes unadmitted; fail-closed, each gets a 503): two signals, both on.
+PROCESSOR_HC_INTERVAL_S = 0.5
+PROCESSOR_HC_TIMEOUT_S = 1.0
+
+
+def _processor_health_check() -> HealthCheck:
+    """Active gRPC health checks of each processor (``grpc.health.v1``, service ``""``: the
+    server turns it NOT_SERVING as soon as it drains). Two failures in a row take a host out:
+    a killed process refuses the connection at once, so within ~1 s of its death. The 1 s
+    timeout is generous: a processor that cannot answer a health check for a second is too
+    busy to decide in time anyway. One success puts it back (a restarted worker)."""
+    return HealthCheck(
+        timeout=_s(PROCESSOR_HC_TIMEOUT_S), interval=_s(PROCESSOR_HC_INTERVAL_S),
+        no_traffic_interval=_s(PROCESSOR_HC_INTERVAL_S), unhealthy_threshold=2,
+        healthy_threshold=1, grpc_health_check=HealthCheckGrpcHealthCheck(service_name=""),
+    )
+
+
+def _processor_outlier_detection() -> OutlierDetection:
+    """Passive ejection between health checks: two consecutive locally originated failures
+    (connection refused or reset: a dead process) eject the host at once, for 2 s at first.
+    ``max_ejection_percent`` 50 keeps at least one of two processors in rotation."""
+    return OutlierDetection(
+        split_external_local_origin_errors=True, consecutive_local_origin_failure=2,
+        enforcing_consecutive_local_origin_failure=100, interval=_s(1),
+        base_ejection_time=_s(2), max_ejection_percent=50,
+    )
+
+
 def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     """The bootstrap as typed ``envoy-data-plane`` messages (a misspelled field or a wrong
     type fails here), returned in the protobuf JSON form Envoy loads."""
@@ -356,6 +391,8 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         connect_timeout=_s(1),
         typed_extension_protocol_options=_http2(doc),
         circuit_breakers=_breakers(doc),
+        health_checks=[_processor_health_check()],
+        outlier_detection=_processor_outlier_detection(),
         load_assignment=_assignment("extproc", (topo.extproc, *topo.extra_extprocs)),
         transport_socket=_upstream_tls(doc, topo.extproc_tls),
     ), "type")

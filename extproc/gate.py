@@ -3,8 +3,17 @@
 One request's path: ``check(...)`` parses the body, counts tokens, reads the ledger snapshot
 and capacity, calls the pure ``decide`` and, when the request will run, reserves its ledger
 entry and returns a ``Ticket``. ``settle(ticket)``
-releases the entry when the request ends, however it ends. While a request runs its lease is
-renewed every third of its length, so a long generation is never reclaimed.
+releases the entry when the request ends, however it ends.
+
+Leases follow the gateway's liveness, not the request's length. An entry's lease is short
+(``ledger.liveness_ms``, 3 s) and the gate's heartbeat (``heartbeat``, every third of it, one
+ledger call per pool whatever the load) renews every entry whose request still runs here; a
+request that overruns its prediction keeps its entry for as long as it runs. A replica that
+dies stops beating, so its entries lapse within ``liveness_ms`` and the sweepers of the
+survivors remove them: a crash costs the fleet its requests' capacity for seconds, where a
+lease of expected finish + ``lease_grace_ms`` held it for half a minute. The price: a replica
+whose event loop stalls longer than ``liveness_ms`` loses its entries until its next beat
+records them again.
 
 The server adapter maps the ``Verdict`` to Envoy's answer; nothing here knows about Envoy.
 
@@ -49,14 +58,21 @@ is unavailable (``LedgerUnavailable``, or the deadline passed) the configured po
 - ``fail_open``: decide by the local view, the last snapshot the ledger gave for the pool moved
   by this process's own admissions and completions since. Other gateways' work since then is
   unseen, so over-admission is bounded by what they admit during the outage. An admitted
-  request keeps a ticket; its renewer records it in the ledger as soon as the ledger answers.
+  request keeps a ticket; it is recorded in the ledger as soon as the ledger answers.
 - ``fail_closed``: refuse with 429 ``ledger_unavailable`` (the Retry-After minimum).
 
 Both are counted (``extproc_ledger_unavailable_decisions_total``) and logged once per outage,
-never with request content. Renewals and releases never fail a request: a renewal that finds
-its entry gone (its lease lapsed during an outage, a failover lost it, it was never recorded)
+never with request content. Renewals and releases never fail a request: a heartbeat that finds
+an entry gone (its lease lapsed during an outage, a failover lost it, it was never recorded)
 records it again, because the request is demonstrably still running; a release the ledger did
-not take is retried by the sweeper (release is idempotent by id), and the lease ends it anyway.
+not take is retried (release is idempotent by id), and the lease ends it anyway.
+
+Recovery is reconciled before it is used (``reconcile``): the first decision that finds the
+ledger answering again first applies the releases it missed and records the requests admitted
+without it, then reads the snapshot it decides on. Deciding first would count the outage's
+admissions nowhere and its completions still, and let a burst through on a ledger that shows
+less than is running; reconciled, in-flight exceeds the slots by at most what the outage
+admitted.
 """
 
 from __future__ import annotations
@@ -108,8 +124,8 @@ ESTIMATE_CHARS = 8 * 1024  # new prompt text longer than this is estimated (docs
 MAX_PENDING_COUNTS = 8  # exact counts queued for the counting thread; beyond, estimates stay
 COUNT_WAIT_S = 0.25  # the most a close decision waits for its exact count (docstring)
 RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking the room
-RECORD_RETRY_S = 1.0  # how soon a renewer retries when the ledger did not answer
-RENEWER_STOP_S = 1.0  # how long a release waits for a cancelled renewal to finish
+HEARTBEATS_PER_LEASE = 3  # a lease survives two lost heartbeats
+RECORD_BATCH = 32  # entries recorded again concurrently after the ledger lost them
 MAX_DEFERRED_RELEASES = 100_000  # beyond this, a lost release is left to its lease
 T = TypeVar("T")
 
@@ -122,12 +138,11 @@ class Ticket:
     pool: str
     service_class: str
     lease_ms: float
-    renewer: asyncio.Task[None] | None = field(default=None, repr=False)
     cost_ms: float = 0.0  # its ledger charge
     kv_tokens: int = 0  # the KV tokens its ledger entry holds
     groups: tuple[str, ...] = ()  # ... and the groups it counts in (priority, tenant)
     recorded: bool = True  # False when admitted while the ledger was unavailable
-    settled: bool = False  # set by ``Gate.settle``: the renewer stops even if its cancel is lost
+    settled: bool = False  # set by ``Gate.settle``: the heartbeat stops renewing it
     correction: asyncio.Task[None] | None = field(default=None, repr=False)  # exact count
     log: decisionlog.Pending | None = field(default=None, repr=False)  # its decision log line
     started: float = 0.0  # the gate's clock at admission
@@ -227,6 +242,12 @@ class Gate:
         self.decision_log = (decisionlog.DecisionLog(config.decision_log)
                              if config.decision_log else None)
         self._deferred: dict[str, str] = {}  # request id -> pool: releases to retry
+        self._live: dict[str, Ticket] = {}  # request id -> ticket: what the heartbeat renews
+        self._unrecorded: set[str] = set()  # live tickets admitted while the ledger was away
+        self._reconciling = asyncio.Lock()
+        self._unreachable = False  # the last ledger call failed
+        self._stale = False  # the ledger came back and our entries are not renewed yet
+        self._back_at = -math.inf  # the gate's clock when the ledger last came back
         self._down_since: float | None = None  # the ledger has been unavailable since
         self._down_decisions = 0
         for pool in config.pools:
@@ -391,6 +412,8 @@ class Gate:
         learning = self.learning[pool.name]
         try:
             async with asyncio.timeout(self.config.ledger.decision_deadline_ms / 1000.0):
+                if self.owed():
+                    await self.reconcile()
                 for _ in range(RESERVE_ATTEMPTS):
                     snapshot = await self._ledger("snapshot", self.ledger.snapshot(pool.name))
                     self._views[pool.name] = _View(snapshot)
@@ -456,6 +479,7 @@ class Gate:
         return dataclasses.replace(verdict, ticket=self._ticket(entry, verdict, recorded=False))
 
     def _ledger_away(self, exc: Exception, on_unavailable: OnUnavailable) -> None:
+        self._unreachable = True  # also when the decision's deadline cut a call short
         self._down_decisions += 1
         if self._down_since is None:
             self._down_since = time.monotonic()
@@ -472,13 +496,21 @@ class Gate:
             self._down_decisions = 0
 
     async def _ledger(self, op: str, call: Awaitable[T]) -> T:
-        """One ledger call, timed; a failure is counted and re-raised."""
+        """One ledger call, timed; a failure is counted and re-raised. The first success
+        after a failure marks the ledger as back (``reconcile``, ``sweep``)."""
         started = time.perf_counter()
         try:
-            return await call
+            result = await call
         except LedgerUnavailable:
             self.metrics.ledger_errors.labels(op).inc()
+            self._unreachable = True
             raise
+        else:
+            if self._unreachable:
+                self._unreachable = False
+                self._stale = True
+                self._back_at = self._clock()
+            return result
         finally:
             self.metrics.ledger_seconds.labels(op).observe(time.perf_counter() - started)
 
@@ -570,7 +602,7 @@ class Gate:
                        uncounted: _Uncounted, ask: Ask, replicas: int) -> None:
         """Count a prompt admitted on an estimate exactly, off the event loop, and charge its
         ledger entry the exact cost. One ledger call: if the ledger does not answer, the
-        estimate stays on the entry (the renewer re-records a lost entry at the exact cost)."""
+        estimate stays on the entry (the heartbeat re-records a lost entry at the exact cost)."""
         try:
             tokens = await (uncounted.counting or asyncio.get_running_loop().run_in_executor(
                 self._counting, self._counters[pool.name].count, uncounted.texts))
@@ -597,11 +629,12 @@ class Gate:
 
     def _entry(self, request_id: str, pool: str, verdict: Verdict) -> Entry:
         """Every request that reaches the backend is in the ledger, admitted or not (shadow
-        mode, infeasible-but-passed): it occupies the GPUs. Its lease: expected finish + grace."""
+        mode, infeasible-but-passed): it occupies the GPUs. Its lease: the gateway's liveness
+        (module docstring), renewed by the heartbeat while it runs."""
         assert verdict.decision is not None and verdict.admission is not None
-        lease_ms = verdict.decision.completion_ms + self.config.ledger.lease_grace_ms
-        return Entry(request_id, pool, verdict.decision.service_ms, lease_ms,
-                     verdict.admission.kv_tokens, verdict.admission.groups)
+        return Entry(request_id, pool, verdict.decision.service_ms,
+                     self.config.ledger.liveness_ms, verdict.admission.kv_tokens,
+                     verdict.admission.groups)
 
     def _ticket(self, entry: Entry, verdict: Verdict, *, recorded: bool = True) -> Ticket:
         adm = verdict.admission
@@ -614,7 +647,9 @@ class Gate:
                         unavoidable=adm.unavoidable,
                         ttft_ms=adm.decision.ttft_ms if adm.decision else 0.0,
                         step_ms=adm.decision.step_ms if adm.decision else 0.0)
-        ticket.renewer = asyncio.create_task(self._renew(ticket))
+        self._live[ticket.request_id] = ticket
+        if not recorded:
+            self._unrecorded.add(ticket.request_id)
         view = self._views.setdefault(entry.pool, _View())
         view.inflight += 1
         view.outstanding_ms += entry.cost_ms
@@ -627,24 +662,71 @@ class Gate:
             running=running_of(adm, self._clock()), groups=adm.groups)
         return ticket
 
-    async def _renew(self, ticket: Ticket) -> None:
-        """Renew every third of the lease while the request runs; record the entry again if
-        it is gone (module docstring); retry sooner while the ledger does not answer."""
-        period = ticket.lease_ms / 3000.0
-        ok = ticket.recorded
-        while True:
-            await asyncio.sleep(period if ok else min(period, RECORD_RETRY_S))
-            if ticket.settled:
-                return
-            try:
-                if not await self._ledger("renew", self.ledger.renew(
-                        ticket.request_id, ticket.pool, ticket.lease_ms)):
-                    await self._ledger("reserve", self.ledger.reserve(Entry(
-                        ticket.request_id, ticket.pool, ticket.cost_ms, ticket.lease_ms,
-                        ticket.kv_tokens, ticket.groups)))
-                ok = ticket.recorded = True
-            except LedgerUnavailable:
-                ok = False
+    async def heartbeat(self) -> None:
+        """Renew the entries of every request running here, one ledger call per pool, and
+        record again those the ledger lost (module docstring). Raises ``LedgerUnavailable``;
+        the next beat retries."""
+        pools: dict[str, list[str]] = {}
+        for rid, ticket in self._live.items():
+            pools.setdefault(ticket.pool, []).append(rid)
+        lease_ms = self.config.ledger.liveness_ms
+        for pool, ids in pools.items():
+            missing = set(await self._ledger("heartbeat",
+                                             self.ledger.heartbeat(pool, ids, lease_ms)))
+            lost = []
+            for rid in ids:
+                live = self._live.get(rid)
+                if live is None:
+                    continue
+                if rid not in missing:
+                    self._recorded(live)
+                else:
+                    lost.append(live)
+            await self._record_all(lost)
+
+    async def _record_all(self, tickets: Sequence[Ticket]) -> None:
+        """Record many at once, ``RECORD_BATCH`` calls in flight (after a Redis restart every
+        running request is lost: one at a time would keep the first decisions waiting)."""
+        for i in range(0, len(tickets), RECORD_BATCH):
+            await asyncio.gather(*(self._record(t) for t in tickets[i:i + RECORD_BATCH]))
+
+    async def _record(self, ticket: Ticket) -> None:
+        """Record a running request's entry again (no ceiling: it runs whatever the ledger
+        holds). A release that raced with it is applied again afterwards."""
+        await self._ledger("reserve", self.ledger.reserve(Entry(
+            ticket.request_id, ticket.pool, ticket.cost_ms, self.config.ledger.liveness_ms,
+            ticket.kv_tokens, ticket.groups)))
+        self._recorded(ticket)
+        if ticket.settled:  # it ended while we recorded it: its release may have come first
+            await self._ledger("release", self.ledger.release(ticket.request_id, ticket.pool))
+
+    def _recorded(self, ticket: Ticket) -> None:
+        ticket.recorded = True
+        self._unrecorded.discard(ticket.request_id)
+
+    def owed(self) -> bool:
+        """Releases the ledger missed, requests admitted without it, or (the ledger was
+        away) entries whose leases may have lapsed meanwhile are waiting. O(1): every
+        decision asks."""
+        return self._stale or bool(self._deferred) or bool(self._unrecorded)
+
+    async def reconcile(self) -> None:
+        """Give the ledger what it missed while away: the releases first (they free room),
+        then the requests admitted meanwhile. One caller at a time; the others wait for it
+        and find nothing left to do. Raises ``LedgerUnavailable``; what was done stays done."""
+        async with self._reconciling:
+            for request_id, pool in list(self._deferred.items()):
+                await self._ledger("release", self.ledger.release(request_id, pool))
+                self._deferred.pop(request_id, None)
+            if self._stale:  # an outage longer than a lease: every entry may have lapsed
+                self._stale = False
+                try:
+                    await self.heartbeat()  # renews ours, records the lapsed and the unrecorded
+                except BaseException:
+                    self._stale = True
+                    raise
+            await self._record_all([self._live[rid] for rid in list(self._unrecorded)
+                                    if rid in self._live])
 
     async def settle(self, ticket: Ticket, completed: bool = True) -> None:
         """Release a ticket's entry; shielded, so a cancelled stream still releases.
@@ -658,8 +740,8 @@ class Gate:
             groups=ticket.groups)
         if self.control is not None:
             self.control.settled(ticket, completed)
-        if ticket.renewer is not None:
-            ticket.renewer.cancel()
+        self._live.pop(ticket.request_id, None)
+        self._unrecorded.discard(ticket.request_id)
         if ticket.log is not None and self.decision_log is not None:
             self.decision_log.end(ticket.log, self._clock())
             ticket.log = None
@@ -667,8 +749,6 @@ class Gate:
             await asyncio.shield(self._release(ticket))
 
     async def _release(self, ticket: Ticket) -> None:
-        if ticket.renewer is not None:  # let a renewal in flight finish before we release
-            await asyncio.wait({ticket.renewer}, timeout=RENEWER_STOP_S)
         self.metrics.inflight(ticket.pool, -1)
         view = self._views.get(ticket.pool)
         if view is not None:
@@ -689,9 +769,13 @@ class Gate:
         backstop for lost streams). Raises ``LedgerUnavailable``; the next sweep retries. The
         pools' learning forgets a sweep's worth first."""
         self.forget()
-        for request_id, pool in list(self._deferred.items()):
-            await self._ledger("release", self.ledger.release(request_id, pool))
-            del self._deferred[request_id]
+        if self.owed():
+            await self.reconcile()
+        if self._clock() - self._back_at < self.config.ledger.liveness_ms / 1000.0:
+            # The ledger was away until moments ago: every gateway's leases ran on while none
+            # could renew them. Expiring now would reclaim requests still running behind
+            # gateways that have not beaten yet; one lease from now all living ones have.
+            return 0
         return await self._ledger("expire", self.ledger.expire())
 
 

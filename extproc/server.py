@@ -10,7 +10,10 @@ BUFFERED_PARTIAL: Envoy buffers up to its limit (set just above ``max_body_bytes
 what it has; a body that did not end within the limit, or a ``content-length`` over the cap,
 gets our 413 JSON instead of Envoy's plain-text error.
 
-Health: the process serves ``""`` and the ext_proc service name while it runs. The ledger has
+Health: the process serves ``""`` and the ext_proc service name while it runs, and turns both
+NOT_SERVING when it drains; Envoy health-checks ``""`` on every processor (``extproc.envoyconf``)
+and stops sending streams to one that fails or drains, and ``/ready`` on the metrics listener
+says the same over HTTP (200 or 503) for probes that cannot reach gRPC. The ledger has
 a service name of its own, ``extproc.ledger``: SERVING while the ledger answers its probe
 (every quarter second), NOT_SERVING while it does not. The processor keeps answering either
 way, by the ledger's fault policy, so Envoy never loses its processor to a Redis outage; an
@@ -75,7 +78,7 @@ from extproc.config import Config, ContentEncoding
 from extproc.control import Control
 from extproc.enginestats import EngineStats, Targets
 from extproc.errors import BodyTooLarge, LedgerUnavailable, RequestError
-from extproc.gate import Gate, Ticket, Verdict
+from extproc.gate import HEARTBEATS_PER_LEASE, Gate, Ticket, Verdict
 from extproc.keda import ExternalScaler
 from extproc.keda import add_to_server as add_scaler
 from extproc.ledger import Ledger
@@ -313,6 +316,7 @@ class Service:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._closing = False  # background loops end on it even if a cancellation is lost
+        self.draining = False  # NOT_SERVING: Envoy's health checks take it out of rotation
 
     async def start(self) -> None:
         if self.tls is not None:
@@ -341,6 +345,7 @@ class Service:
             self._tasks.append(asyncio.create_task(self._watch_ledger()))
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/ready", self._ready)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         host, _, port = self.config.metrics_listen.rpartition(":")
@@ -348,6 +353,7 @@ class Service:
         await site.start()
         self.metrics_port = self._runner.addresses[0][1]
         self._tasks.append(asyncio.create_task(self._sweep()))
+        self._tasks.append(asyncio.create_task(self._heartbeat()))
         log.info("serving", extra={"grpc": self.grpc_port, "metrics": self.metrics_port,
                                    "mode": self.config.mode.value})
 
@@ -355,6 +361,13 @@ class Service:
         return web.Response(body=self.metrics.render(),
                             content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type": "version=0.0.4"})
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        """The gRPC health of the processor over HTTP, for probes that cannot speak gRPC (a
+        kubelet probing a sidecar that listens on a Unix socket): 200 while it serves, 503
+        once it drains."""
+        return web.Response(status=503 if self.draining else 200,
+                            text="draining\n" if self.draining else "serving\n")
 
     async def _sweep(self) -> None:
         while not self._closing:
@@ -366,6 +379,19 @@ class Service:
                 log.debug("lease sweep skipped: %s", exc)
             except Exception:
                 log.exception("lease sweep failed")
+
+    async def _heartbeat(self) -> None:
+        """Renew this process's ledger entries every third of their lease (``Gate.heartbeat``):
+        when the process dies they lapse within ``ledger.liveness_ms``."""
+        period = self.config.ledger.liveness_ms / 1000.0 / HEARTBEATS_PER_LEASE
+        while not self._closing:
+            await asyncio.sleep(period)
+            try:
+                await self.gate.heartbeat()
+            except LedgerUnavailable as exc:  # the health probe reports the outage
+                log.debug("heartbeat skipped: %s", exc)
+            except Exception:
+                log.exception("heartbeat failed")
 
     async def probe_ledger(self) -> bool:
         """Probe the ledger once and report it on ``extproc.ledger`` (and the metric)."""
@@ -396,6 +422,7 @@ class Service:
 
     async def drain(self) -> None:
         """Turn NOT_SERVING, keep serving while streams are open (up to the grace), stop."""
+        self.draining = True
         await self.health.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_grace_s

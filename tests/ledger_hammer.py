@@ -53,6 +53,44 @@ def hammer(url: str, prefix: str, seed: int, rounds: int, cost_range: tuple[floa
     return asyncio.run(run())
 
 
+def race_for_slots(url: str, prefix: str, seed: int, rounds: int,
+                   slots: int) -> tuple[int, int, int]:
+    """One OS process: waves of 25 concurrent reserves that may hold at most ``slots`` entries
+    in all (``max_inflight``, no work ceiling), releasing its entries at random between
+    waves. Returns (entries recorded, entries released, refusals)."""
+
+    async def run() -> tuple[int, int, int]:
+        settings_ = {"kind": "redis", "url": url, "timeout_ms": 5_000, "key_prefix": prefix}
+        ledger = RedisLedger.from_config(config.from_mapping({"ledger": settings_}).ledger,
+                                         ["p"])
+        rng = random.Random(seed)
+        held: list[str] = []
+        recorded = released = refused = 0
+        try:
+            for wave in range(rounds):
+                ids = [f"{seed}-{wave}-{i}" for i in range(25)]
+                answers = await asyncio.gather(*(
+                    ledger.reserve(Entry(i, "p", 10.0, 60_000), None, slots) for i in ids))
+                for rid, ok in zip(ids, answers, strict=True):
+                    if ok:
+                        held.append(rid)
+                        recorded += 1
+                    else:
+                        refused += 1
+                rng.shuffle(held)
+                k = rng.randint(0, len(held))
+                gone, held = held[:k], held[k:]
+                for rid in gone:
+                    assert await ledger.release(rid, "p")
+                    released += 1
+                await asyncio.sleep(rng.uniform(0.0, 0.002))
+        finally:
+            await ledger.close()
+        return recorded, released, refused
+
+    return asyncio.run(run())
+
+
 CAP = 5  # the capped tenant's most requests in flight
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -23,10 +25,21 @@ RATE_RPS = 40.0  # a request every 25 ms: a stream is always open, so the drain 
 EXIT_MARGIN_S = 5.0  # after the grace: gRPC stop (0.5 s), background tasks (<= 2 s), exit
 
 
+def ready(stack: Any) -> int:
+    """The HTTP mirror of the processor's health (``/ready`` on its metrics listener)."""
+    url = stack.metrics_url.replace("/metrics", "/ready")
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+
+
 async def drain_under_load(stack: Any) -> dict[str, Any]:
     proc = stack.processes["extproc"]
     port = stack.grpc_port
     assert health(port) == "SERVING" and health(port, SERVICE_NAME) == "SERVING"
+    assert ready(stack) == 200
     async with Traffic(stack.url, Ask(output_tokens=8), timeout_s=10.0) as traffic:
         stop = asyncio.Event()
         load = asyncio.create_task(traffic.open(RATE_RPS, stop))
@@ -42,13 +55,15 @@ async def drain_under_load(stack: Any) -> dict[str, Any]:
         to_not_serving = await wait_until(left_serving, 5.0, "health leaves SERVING",
                                           interval=0.02)
         seen_overall = health(port)
+        ready_draining = ready(stack)
         exited_s = await wait_until(lambda: proc.popen.poll() is not None,
                                     GRACE_S + EXIT_MARGIN_S + 5.0, "extproc exits")
         await asyncio.sleep(0.5)
         stop.set()
         await load
     return {"traffic": traffic, "term": term, "to_not_serving": to_not_serving, "seen": seen[-1],
-            "seen_overall": seen_overall, "exited_s": exited_s, "rc": proc.popen.returncode}
+            "seen_overall": seen_overall, "ready_draining": ready_draining,
+            "exited_s": exited_s, "rc": proc.popen.returncode}
 
 
 def test_sigterm_turns_not_serving_then_drains_without_5xx_then_exits(
@@ -66,6 +81,7 @@ def test_sigterm_turns_not_serving_then_drains_without_5xx_then_exits(
                   after_grace=count([r for r in traffic.replies if r.ended >= term + GRACE_S])))
 
     assert run["seen"] == "NOT_SERVING" and run["seen_overall"] == "NOT_SERVING"
+    assert run["ready_draining"] == 503
     assert run["to_not_serving"] < 2.0
     kinds = count(within)
     assert set(kinds) <= {"200", "429"} and "200" in kinds, kinds  # no 5xx, error or hang

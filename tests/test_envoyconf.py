@@ -71,3 +71,27 @@ def test_explicit_defaults_name_real_fields() -> None:
     assert doc.json(doc.explicit(mode, "response_body_mode")) == {"response_body_mode": "NONE"}
     with pytest.raises(AttributeError):
         doc.explicit(mode, "response_body_mod")
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["--workers", "3"], ["--fail-closed"]], ids=["one", "workers", "fail-closed"])
+def test_every_rendered_processor_cluster_is_health_checked_and_ejects_the_dead(
+        tmp_path: Path, argv: list[str]) -> None:
+    """What ``extproc envoy-config`` writes (and the chart's init container runs): gRPC health
+    checks of each processor on the service the server turns NOT_SERVING when it drains, and
+    ejection of a host whose connections fail, so a dead worker stops getting streams."""
+    out = tmp_path / "envoy.yaml"
+    done = subprocess.run([str(Path(envoy_binary()).parent / "extproc"), "envoy-config",
+                           "-o", str(out), *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    doc = yaml.safe_load(out.read_text())
+    cluster = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "extproc")
+    hosts = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert len(hosts) == (3 if "--workers" in argv else 1)
+    (check,) = cluster["health_checks"]
+    assert check["grpc_health_check"] == {}  # service "": NOT_SERVING while draining
+    assert check["interval"] == "0.500s" and check["unhealthy_threshold"] == 2
+    outlier = cluster["outlier_detection"]
+    assert outlier["split_external_local_origin_errors"] is True
+    assert outlier["consecutive_local_origin_failure"] == 2
+    assert outlier["max_ejection_percent"] == 50

@@ -297,7 +297,8 @@ def test_unix_socket_transport_shares_a_volume_and_probes_metrics() -> None:
     mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
               for c in pod["containers"]}
     assert mounts["envoy"]["socket"] == mounts["extproc"]["socket"] == "/var/run/extproc"
-    assert container(pod, "extproc")["readinessProbe"]["httpGet"]["path"] == "/metrics"
+    assert container(pod, "extproc")["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container(pod, "extproc")["livenessProbe"]["httpGet"]["path"] == "/metrics"
     # one owner for the socket: both containers run as the pod's user
     assert all("runAsUser" not in c["securityContext"] for c in pod["containers"])
 

@@ -158,6 +158,26 @@ async def test_renewal_keeps_an_entry_past_its_first_lease(ledger: Ledger) -> No
     assert not await ledger.renew("gone", "p", 150)
 
 
+async def test_a_heartbeat_keeps_its_entries_and_the_others_lapse(ledger: Ledger) -> None:
+    """Two replicas' entries on short leases; only one replica keeps beating. Its entries
+    outlive many leases, the silent one's lapse after one; a heartbeat names the ids it did
+    not find and never re-creates them."""
+    for rid in ("alive1", "alive2", "dead1", "dead2"):
+        assert await ledger.reserve(entry(rid, lease_ms=150))
+    for _ in range(6):  # 0.3 s: twice the lease
+        await asyncio.sleep(0.05)
+        assert await ledger.heartbeat("p", ["alive1", "alive2"], 150) == []
+    assert await ledger.expire() == 2
+    snap = await ledger.snapshot("p")
+    assert (snap.inflight, snap.outstanding_ms, snap.kv_tokens) == (2, 200.0, 2000)
+    assert await ledger.heartbeat("p", ["alive1", "dead1", "never"], 150) == ["dead1", "never"]
+    assert await ledger.heartbeat("other", ["alive1"], 150) == ["alive1"]
+    assert (await ledger.snapshot("p")).inflight == 2
+    assert await ledger.heartbeat("p", [], 150) == []
+    for rid in ("alive1", "alive2"):
+        assert await ledger.release(rid, "p")
+
+
 async def test_outstanding_returns_to_exactly_zero(ledger: Ledger) -> None:
     ids = [f"r{i}" for i in range(200)]
     for i, rid in enumerate(ids):

@@ -27,7 +27,7 @@ from extproc.ledger import Entry
 from extproc.ledger.breaker import State
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
-from tests.ledger_hammer import CAP, CEILING_MS, hammer, hammer_cap
+from tests.ledger_hammer import CAP, CEILING_MS, hammer, hammer_cap, race_for_slots
 from tests.redis_server import Certs, RedisSentinel, RedisServer, poll
 
 pytestmark = pytest.mark.redis
@@ -55,6 +55,7 @@ async def round_trip(ledger: RedisLedger) -> None:
         assert await ledger.reserve(entry("a", 600.0), ceiling_ms=1_000.0)
         assert not await ledger.reserve(entry("b", 500.0), ceiling_ms=1_000.0)
         assert await ledger.renew("a", "p", 60_000)
+        assert await ledger.heartbeat("p", ["a", "b"], 60_000) == ["b"]
         assert await ledger.adjust("a", "p", 650.0)
         snap = await ledger.snapshot("p")
         assert (snap.inflight, snap.outstanding_ms) == (1, 650.0)
@@ -265,6 +266,43 @@ def test_processes_racing_for_one_ceiling_never_exceed_it_and_refusals_change_no
         assert [len(r[0]) for r in results] == [0, 0, 0, 0]
         assert sum(r[2] for r in results) == 10_000
         assert dump(server, ledger) == before
+
+
+def test_four_processes_racing_for_eight_slots_never_hold_a_ninth(server: RedisServer) -> None:
+    """The count the decision reasoned about (``max_inflight``) is checked in the same atomic
+    step as the work: four OS processes firing waves of 25 concurrent reserves at 8 slots,
+    releasing at random between waves, never see a ninth entry."""
+    slots = 8
+    ledger = make(server.url)
+    watching = threading.Event()
+    highest = [0]
+    samples = [0]
+
+    def watch() -> None:  # sample the count while the processes race
+        r = server.client()
+        leases = ledger.keys("p")[0]
+        while not watching.is_set():
+            highest[0] = max(highest[0], int(r.zcard(leases)))
+            samples[0] += 1
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with multiprocessing.get_context("spawn").Pool(4) as workers:
+        try:
+            results = workers.starmap(race_for_slots, [(server.url, ledger.prefix, seed, 40,
+                                                        slots) for seed in range(4)])
+        finally:
+            watching.set()
+            watcher.join()
+    recorded = sum(r[0] for r in results)
+    released = sum(r[1] for r in results)
+    refused = sum(r[2] for r in results)
+    snap = once(server.url, ledger.prefix, lambda led: led.snapshot("p"))
+    print(f"slots={slots} recorded={recorded} refused={refused} highest={highest[0]}"
+          f" samples={samples[0]}")
+    assert refused > 1_000 and recorded > 4 * slots  # contended, and slots were reused
+    assert 0 < highest[0] <= slots
+    assert snap.inflight == recorded - released <= slots
 
 
 # --- faults ----------------------------------------------------------------------------------

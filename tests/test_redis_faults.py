@@ -5,6 +5,7 @@ stopped (SIGSTOP), killed, restarted empty or absent at start."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -217,19 +218,40 @@ async def _is_serving(health: health_pb2_grpc.HealthStub, up: bool = True) -> bo
 
 async def test_a_lease_shorter_than_the_request_is_renewed_and_never_reclaimed(
         redis: RedisServer, service_factory: Any) -> None:
-    """Lease ~0.2 s (expected finish of 5 tokens + 100 ms grace), renewed every third of it,
-    while every gateway sweeps lapsed entries every 50 ms; the stream stays open 1.5 s."""
-    svc, stub, _ = await service_factory(settings(redis.url, lease_grace_ms=100))
+    """Lease 150 ms (``liveness_ms``), renewed by the heartbeat every 50 ms, while every
+    gateway sweeps lapsed entries every 50 ms; the stream stays open 1.5 s, ten leases."""
+    svc, stub, _ = await service_factory(settings(redis.url, liveness_ms=150))
     s, verdict, _ = await ask(stub, max_tokens=5)
     assert verdict == "continue"
-    lease_ms = float(svc.gate.config.ledger.lease_grace_ms) + 5 * 18.6 + 1
-    assert lease_ms < 300
+    assert svc.gate.config.ledger.liveness_ms == 150
     end = time.monotonic() + 1.5
     while time.monotonic() < end:
         assert leases(redis) == 1, "entry reclaimed while its stream is open"
         await asyncio.sleep(0.02)
     await s.close()
     assert leases(redis) == 0
+
+
+async def test_a_dead_gateways_entries_lapse_within_its_liveness(
+        redis: RedisServer, service_factory: Any) -> None:
+    """A gateway that stops beating (its heartbeat task gone, as in a kill -9) leaves entries
+    that a surviving gateway's sweeper removes within ``liveness_ms`` plus a sweep, where the
+    request's own expected finish + grace would have kept them for a minute."""
+    dead, dead_stub, _ = await service_factory(settings(redis.url, liveness_ms=600,
+                                                        lease_grace_ms=60_000))
+    await service_factory(settings(redis.url, liveness_ms=600))  # the survivor sweeps
+    held = [await ask(dead_stub) for _ in range(3)]
+    assert [v for _, v, _ in held] == ["continue"] * 3 and leases(redis) == 3
+    beating = [t for t in dead._tasks if t.get_coro().__qualname__.endswith("_heartbeat")]
+    assert len(beating) == 1
+    beating[0].cancel()
+    stopped = time.monotonic()
+    await until(lambda: leases(redis) == 0, 10, "dead gateway's entries reclaimed")
+    took = time.monotonic() - stopped
+    print(f"reclaimed_s={took:.2f}")
+    assert took < 0.6 + 0.2 + 1.0  # the lease, its last beat's age, a sweep; slack
+    for s, _, _ in held:
+        await s.close()
 
 
 async def test_entries_redis_lost_and_fail_open_admissions_are_recorded_once_it_returns(
@@ -262,3 +284,106 @@ async def test_a_release_redis_missed_is_retried_long_before_the_lease_ends(
     took = await until(lambda: leases(redis) == 0, 3, "deferred release applied")
     assert took < 1.0  # a minute before the lease would have ended it
     assert isinstance(svc.gate.ledger, RedisLedger)
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+async def test_no_spurious_ledger_unavailable_once_a_restarted_redis_answers(
+        redis: RedisServer, service_factory: Any, how: str) -> None:
+    """Pooled connections to the Redis that went away are dead; once the new one answers, no
+    decision may fail on one of them (fail-closed would refuse it with 429
+    ``ledger_unavailable``): a connection error gets one immediate retry on a fresh one."""
+    svc, stub, health = await service_factory(settings(redis.url, "fail_closed",
+                                                       timeout_ms=500,
+                                                       decision_deadline_ms=1_000))
+    refused: list[str] = []
+    for _ in range(3):  # a pool of several connections, as concurrent decisions leave it
+        streams = await asyncio.gather(*(ask(stub) for _ in range(8)))
+        assert [v for _, v, _ in streams] == ["continue"] * 8
+        for s, _, _ in streams:
+            await s.close()
+        redis.kill() if how == "kill" else redis.stop()
+        redis.start()
+        await until(lambda: _is_serving(health), 5, "ledger probe back")
+        streams = await asyncio.gather(*(ask(stub) for _ in range(8)))
+        refused += [v for _, v, _ in streams if v != "continue"]
+        for s, _, _ in streams:
+            await s.close()
+        for _ in range(8):
+            s, verdict, _ = await ask(stub)
+            if verdict != "continue":
+                refused.append(verdict)
+            await s.close()
+    print(f"restarts=3 decisions_after=48 refused={len(refused)}")
+    assert refused == []
+    assert fallbacks(svc, "fail_closed") == 0
+    assert leases(redis) == 0
+
+
+def slots_settings(url: str, **ledger: Any) -> config.Config:
+    """8 slots (2 replicas x 4) and a deadline no wait for a slot fits: exactly 8 run."""
+    return config.from_mapping({
+        "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
+        "pools": [{"name": "llama", "replicas": 2, "models": ["*"],
+                   "engine": {"max_num_seqs": 4, "step_base_ms": 1.1, "ms_per_seq": 0.82}}],
+        "ledger": {"kind": "redis", "url": url, "timeout_ms": 50, "decision_deadline_ms": 300,
+                   "sweep_interval_ms": 50, "liveness_ms": 600,
+                   "breaker": {"failures": 3, "cooldown_ms": 100}, **ledger},
+    })
+
+
+async def tight(stub: pb_grpc.ExternalProcessorStub) -> tuple[Stream, str]:
+    s = Stream(stub)
+    await s.send(headers(**{"x-admission-deadline-ms": "1200"}))
+    return s, outcome(await s.send(body(chat(300))))
+
+
+async def test_fail_open_recovery_is_reconciled_before_the_first_decision(
+        redis: RedisServer, service_factory: Any) -> None:
+    """Two gateways, 8 slots, a Redis outage twice as long as a lease (every entry lapses on
+    Redis's clock). During it one gateway's requests end (releases Redis misses) and the other
+    admits on its local view. The moment Redis answers, a burst of 16 hits both gateways:
+    each reconciles (releases, its outage admissions, its lapsed entries) before deciding, so
+    what runs never exceeds the slots by more than the outage admitted. (Before: 7 -> 16 -> 8
+    in flight within 1.5 s of recovery, outage admissions recorded late and releases left to
+    the sweeper.)"""
+    slots = 8
+    _, stub_a, health_a = await service_factory(slots_settings(redis.url))
+    b, stub_b, health_b = await service_factory(slots_settings(redis.url))
+    running: list[Stream] = []
+
+    async def admit(stub: pb_grpc.ExternalProcessorStub, n: int) -> int:
+        got = await asyncio.gather(*(tight(stub) for _ in range(n)))
+        for s, verdict in got:
+            if verdict == "continue":
+                running.append(s)
+            else:
+                await s.close()
+        return sum(v == "continue" for _, v in got)
+
+    assert await admit(stub_a, 4) == 4
+    assert await admit(stub_b, 2) == 2
+    ending = running[:2]  # two of gateway a's
+    redis.pause()
+    for s in ending:
+        await s.close()
+        running.remove(s)
+    outage_admitted = await admit(stub_b, 4)  # b's view: 6 in flight, 2 free
+    assert outage_admitted == 2 and fallbacks(b, "fail_open") >= 2
+    await asyncio.sleep(1.2)  # twice the lease: Redis's clock runs on while it is stopped
+    redis.resume()
+    # Recovered: each gateway's breaker let a trial call through and it answered (until then
+    # decisions are still the outage's, on the local view).
+    for health in (health_a, health_b):
+        await until(functools.partial(_is_serving, health), 3, "ledger answering again")
+    burst = await asyncio.gather(admit(stub_a, 8), admit(stub_b, 8))
+    peak = len(running)
+    print(f"slots={slots} outage_admitted={outage_admitted} burst_admitted={sum(burst)}"
+          f" in_flight_after={peak}")
+    assert peak <= slots + outage_admitted
+    assert peak == slots  # in fact exact: both reconciled before deciding
+    await until(lambda: leases(redis) == peak, 2, "ledger holds what runs")
+    await asyncio.sleep(1.0)  # past a lease: nothing running lapses
+    assert leases(redis) == peak
+    for s in running:
+        await s.close()
+    await until(lambda: leases(redis) == 0, 2, "ledger empty")

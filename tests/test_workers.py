@@ -1,6 +1,7 @@
 """``extproc serve --workers N``: N processes on consecutive ports sharing the Redis ledger, a
 supervisor that restarts a dead worker and drains them all on SIGTERM."""
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import config
 from extproc.errors import ConfigError
-from extproc.stack import wait_http
+from extproc.stack import scrape, wait_http
 from extproc.workers import check, shifted, worker_config
 from tests.redis_server import RedisServer
+from tests.traffic import wait_until
 
 
 def consecutive_ports(n: int) -> int:
@@ -130,3 +133,80 @@ def test_workers_serve_on_consecutive_ports_are_restarted_and_drain_together(
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "worker 1 exited with -9" in text
+
+
+def test_envoy_stops_sending_to_a_killed_worker_and_takes_it_back_once_restarted(
+        tmp_path: Path, redis: RedisServer) -> None:
+    """``serve --workers 2`` behind the Envoy ``envoy-config --workers 2`` renders, under load:
+    ``kill -9`` of worker 1 takes it out of Envoy's rotation (health flags set) within 2 s and
+    no request fails after that (fail-closed: a stream sent to the dead worker would be a
+    503); once the supervisor has restarted it, Envoy's health checks put it back and it
+    decides again."""
+    from extproc.stack import Process, envoy_binary, free_port
+    from tests.traffic import Ask, Traffic, count
+
+    grpc_base, metrics_base = consecutive_ports(2), consecutive_ports(2)
+    backend, envoy_port, admin = free_port(), free_port(), free_port()
+    path = tmp_path / "extproc.yaml"
+    path.write_text(yaml.safe_dump({
+        "listen": f"127.0.0.1:{grpc_base}", "metrics_listen": f"127.0.0.1:{metrics_base}",
+        "drain_grace_s": 0, "pools": [{"name": "llama", "models": ["*"], "replicas": 1,
+                                       "engine": {"max_num_seqs": 16}}],
+        "ledger": {"kind": "redis", "url": redis.url}}))
+    envoy_yaml = tmp_path / "envoy.yaml"
+    subprocess.run([sys.executable, "-m", "extproc", "envoy-config", "--config", str(path),
+                    "--workers", "2", "--fail-closed", "--port", str(envoy_port),
+                    "--admin-port", str(admin), "--backend", f"127.0.0.1:{backend}",
+                    "-o", str(envoy_yaml)], check=True, timeout=60)
+    procs = [Process("backend", [sys.executable, "-m", "extproc", "fake-backend", "--port",
+                                 str(backend), "--max-running", "32", "--time-scale", "0.2"],
+                     tmp_path)]
+    supervisor = Process("serve", [sys.executable, "-m", "extproc", "serve", "--config",
+                                   str(path), "--workers", "2"], tmp_path)
+    procs.append(supervisor)
+    try:
+        wait_http(f"http://127.0.0.1:{backend}/health", proc=procs[0].popen)
+        for i in range(2):
+            wait_http(f"http://127.0.0.1:{metrics_base + i}/metrics", timeout=30,
+                      proc=supervisor.popen)
+        procs.append(Process("envoy", [envoy_binary(), "-c", str(envoy_yaml), "--log-level",
+                                       "warn", "--base-id", str(admin)], tmp_path))
+        wait_http(f"http://127.0.0.1:{envoy_port}/health", proc=procs[-1].popen)
+        host = f"extproc::127.0.0.1:{grpc_base + 1}::health_flags::"
+
+        def flagged() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters",
+                                        timeout=2) as resp:
+                return any(line.startswith(host) and "failed" in line
+                           for line in resp.read().decode().splitlines())
+
+        def decided(i: int) -> float:
+            return scrape(f"http://127.0.0.1:{metrics_base + i}/metrics",
+                          "extproc_admission_decisions_total")
+
+        async def run() -> tuple[Traffic, float, float, float]:
+            async with Traffic(f"http://127.0.0.1:{envoy_port}", Ask(output_tokens=8),
+                               timeout_s=30.0) as traffic:
+                stop = asyncio.Event()
+                load = asyncio.create_task(traffic.open(20.0, stop))
+                await asyncio.sleep(1.5)
+                assert decided(1) > 0  # worker 1 had its share
+                os.kill(workers(supervisor.pid)[1], signal.SIGKILL)
+                killed = time.monotonic()
+                out_s = await wait_until(flagged, 10.0, "dead worker flagged")
+                back_s = await wait_until(lambda: not flagged() and decided(1) > 0, 30.0,
+                                          "restarted worker back in rotation")
+                await asyncio.sleep(1.0)
+                stop.set()
+                await load
+            return traffic, killed, out_s, back_s
+
+        traffic, killed, out_s, back_s = asyncio.run(run())
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    late = traffic.between(killed + 2.0, time.monotonic())
+    print(f"flagged_s={out_s:.3f} back_s={back_s:.2f} all={count(traffic.replies)}"
+          f" after_2s={count(late)}")
+    assert out_s <= 2.0
+    assert set(count(late)) <= {"200", "429"}, count(late)

@@ -11,6 +11,9 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 - ``release(request_id, pool)`` removes it exactly once: True the first time, False for a
   double, late or unknown release, which never touch another entry.
 - ``renew(request_id, pool, lease_ms)`` extends the lease of a live entry.
+- ``heartbeat(pool, request_ids, lease_ms)`` renews many live entries at once (a replica's
+  heartbeat: one call per pool, whatever its load) and returns the ids it did not find, never
+  re-creating one.
 - ``adjust(request_id, pool, cost_ms, kv_tokens)`` changes the cost (and, when given, the
   KV footprint) of a live entry (its exact count arrived after it was admitted on an
   estimate); False, touching nothing, when it is gone.
@@ -22,7 +25,9 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 - Groups (``entry.groups``: its priority and tenant, ``extproc.share``) are counted with the
   totals, in the same atomic steps; a group whose last entry goes leaves nothing behind.
 
-Leases are measured by the ledger's own clock, never the caller's.
+Leases are measured by the ledger's own clock, never the caller's. The gateway gives each
+entry a short lease (``ledger.liveness_ms``) and renews its live entries by heartbeat, so the
+entries of a replica that died lapse within seconds (``extproc.gate``).
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ class Ledger(Protocol):
     async def release(self, request_id: str, pool: str) -> bool: ...
 
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool: ...
+
+    async def heartbeat(self, pool: str, request_ids: Sequence[str],
+                        lease_ms: float) -> list[str]: ...
 
     async def adjust(self, request_id: str, pool: str, cost_ms: float,
                      kv_tokens: int | None = None) -> bool: ...

@@ -122,6 +122,9 @@ class LedgerCore:
         _compact(p)
         return True
 
+    def heartbeat(self, pool: str, request_ids: Sequence[str], lease_ms: float) -> list[str]:
+        return [rid for rid in request_ids if not self.renew(rid, pool, lease_ms)]
+
     def adjust(self, request_id: str, pool: str, cost_ms: float,
                kv_tokens: int | None = None) -> bool:
         p = self._pools.get(pool)
@@ -175,6 +178,10 @@ class MemoryLedger:
 
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
         return self.core.renew(request_id, pool, lease_ms)
+
+    async def heartbeat(self, pool: str, request_ids: Sequence[str],
+                        lease_ms: float) -> list[str]:
+        return self.core.heartbeat(pool, request_ids, lease_ms)
 
     async def adjust(self, request_id: str, pool: str, cost_ms: float,
                      kv_tokens: int | None = None) -> bool:

@@ -13,7 +13,8 @@ every script touches a single slot (never CROSSSLOT)::
 
 Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header):
 ``reserve`` checks the ceiling and records in one atomic step, ``release`` removes exactly once,
-``renew`` moves a lease end, ``adjust`` changes a live entry's cost, ``expire`` drops at most
+``renew`` moves a lease end, ``heartbeat`` moves many (a replica's live entries, batched),
+``adjust`` changes a live entry's cost, ``expire`` drops at most
 ``sweep_batch`` lapsed entries per call, ``snapshot`` reads the count and the totals together.
 The totals are aggregates the scripts keep, never a sum over members, so each call costs
 O(log n) whatever the load. Lease ends come from Redis's ``TIME``: gateway clocks never matter.
@@ -22,8 +23,13 @@ that lost them (restart, failover, SCRIPT FLUSH) answers NOSCRIPT and gets the s
 (EVAL caches it again, on the node owning the keys).
 
 Faults: every call has short explicit timeouts (connect and socket, ``timeout_ms``) and no
-client retries (a retry would double the wait of a decision that has a deadline). Any Redis or
-socket error becomes ``LedgerUnavailable`` here, at the edge; callers apply the fault policy.
+client retries (a retry would double the wait of a decision that has a deadline), with one
+exception: a pooled connection the server closed (Redis restarted or failed over while it sat
+idle) fails at once, so the idle pool is dropped and the script sent again, once, on a fresh
+connection (``_fresh_connections``); without it the first decisions after a restart failed
+with ``ledger_unavailable`` though Redis was back (11 of 48 in three restarts, 0 with it).
+Any Redis or socket error becomes ``LedgerUnavailable`` here, at the edge; callers apply the
+fault policy.
 A circuit breaker (``breaker.py``) refuses calls at once while Redis is failing, then lets one
 trial through per cool-down. Nothing is connected at construction: a gateway starts without
 Redis and recovers when it appears.
@@ -50,6 +56,7 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from extproc.admission import Snapshot
@@ -79,8 +86,10 @@ class _Script:
             return await client.eval(self.source, len(keys), *keys, *args)
 
 
-_RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT = (
-    _Script(n) for n in ("reserve", "release", "renew", "adjust", "expire", "snapshot"))
+_RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT, _HEARTBEAT = (
+    _Script(n) for n in ("reserve", "release", "renew", "adjust", "expire", "snapshot",
+                         "heartbeat"))
+HEARTBEAT_BATCH = 500  # ids per heartbeat script call: one call never holds Redis long
 
 
 def _group(name: str) -> str:
@@ -150,6 +159,16 @@ class RedisLedger:
         leases = self.keys(pool)[0]
         return bool(await self._run("renew", _RENEW, (leases,), (request_id, _num(lease_ms))))
 
+    async def heartbeat(self, pool: str, request_ids: Sequence[str],
+                        lease_ms: float) -> list[str]:
+        leases = self.keys(pool)[0]
+        missing: list[str] = []
+        for i in range(0, len(request_ids), HEARTBEAT_BATCH):
+            batch = request_ids[i:i + HEARTBEAT_BATCH]
+            gone = await self._run("heartbeat", _HEARTBEAT, (leases,), (_num(lease_ms), *batch))
+            missing += [_text(g) for g in gone]
+        return missing
+
     async def adjust(self, request_id: str, pool: str, cost_ms: float,
                      kv_tokens: int | None = None) -> bool:
         _, costs, total, kv, groups = self.keys(pool)
@@ -204,7 +223,12 @@ class RedisLedger:
             raise LedgerUnavailable(f"redis {op}: circuit open after repeated failures"
                                     f" ({self.where})")
         try:
-            result = await script.run(self._client, keys, args)
+            try:
+                result = await script.run(self._client, keys, args)
+            except RedisConnectionError as exc:
+                if not await self._fresh_connections(exc):
+                    raise
+                result = await script.run(self._client, keys, args)
         except asyncio.CancelledError:
             # The caller gave up (its decision deadline): a Redis that never answers must
             # still open the breaker, so this counts as a failure.
@@ -218,6 +242,21 @@ class RedisLedger:
         self.breaker.success()
         _restore_cancellation(None)
         return result
+
+    async def _fresh_connections(self, exc: RedisConnectionError) -> bool:
+        """After a connection error, may the call be retried once, at once? Only when the
+        error came on a pooled connection the server had closed (a restart, a failover, an
+        idle timeout): every idle pooled connection is then as stale, so all are dropped and
+        the retry connects afresh. Every script is safe to run twice (a reserve or release is
+        keyed by request id; the others set, not add). A refused connection (Redis is down)
+        is not retried: it would only double the decision's wait."""
+        text = str(exc).lower()
+        if "closed" not in text and "reset" not in text:
+            return False
+        pool = getattr(self._client, "connection_pool", None)  # a Cluster client has none
+        if pool is not None:
+            await pool.disconnect(inuse_connections=False)
+        return True
 
     async def _inspect(self) -> None:
         """Warn loudly when Redis may evict ledger keys (they have no TTL, so only an
