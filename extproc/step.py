@@ -386,7 +386,7 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
         1 for g in learning.flows if tenant_of(g) is not None) > 1
     if not protected and not several:
         return None
-    limit = _limit(cost, snapshot, capacity, policy, now)
+    limit = _limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
     swing = learning.limit.add(limit)
     if several:
         assert ask.tenant is not None
@@ -442,12 +442,13 @@ def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, c
         max_inflight=min(decision.max_inflight, seen.max_inflight - kept))
 
 
-def _limit(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
-           now: float) -> int:
+def _limit(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy, now: float,
+           hint: float | None = None) -> int:
     """The most requests the pool holds while one like this is still admitted: its work at
     that level is what tenants share (the slots overstate it wherever the deadline binds
-    first, and the KV cache where it binds). Found by bisection on the in-flight count, the
-    requests in flight kept at their mean work and KV."""
+    first, and the KV cache where it binds). Found by search on the in-flight count (the
+    requests in flight kept at their mean work and KV) from ``hint``, the limit recent
+    requests met: a few decisions, not a bisection from nothing."""
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else capacity.charge_ms(cost)
     mean_kv = snapshot.kv_tokens / n if n else cost.kv
@@ -457,9 +458,16 @@ def _limit(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
                                  kv_tokens=round(count * mean_kv))
         return decide(cost, at, capacity, policy, now).admitted
 
-    low, high = 0, max(1, capacity.slots)
-    while fits(high) and high < 1 << 20:
-        low, high = high, high * 2
+    low = n  # it fits here: it was admitted at n
+    start = max(n + 1, round(hint)) if hint is not None else n + 1
+    if start > n + 1 and not fits(start - 1):
+        high = start - 1  # the limit is below the hint
+    else:
+        low = max(low, start - 1)
+        step = 1
+        while fits(low + step) and step < 1 << 20:
+            low, step = low + step, step * 2
+        high = low + step
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)

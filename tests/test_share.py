@@ -222,3 +222,20 @@ def test_the_limit_s_spread_is_measured_not_assumed() -> None:
         swinging.add(100.0 + (20.0 if i % 2 else -20.0))
     assert steady.add(100.0) == 0.0
     assert swinging.add(100.0) == pytest.approx(20.0, rel=0.1)
+
+
+@pytest.mark.parametrize("n", [0, 5, 40, 120])
+def test_the_admission_limit_is_found_from_any_hint(n: int) -> None:
+    from extproc.admission import Cost
+    from extproc.step import _limit, capacity_for, class_policy
+
+    config = settings()
+    pool = config.pools[0]
+    capacity = capacity_for(pool, 4, learning_for(pool))
+    cost = Cost(800, 256, 200.0, 400.0)
+    snapshot = Snapshot(n, n * 900.0, n * 1200)
+    policy = class_policy(config, "latency", None)
+    exact = _limit(cost, snapshot, capacity, policy, 0.0)
+    assert exact > 1
+    for hint in (None, 1.0, exact - 3.0, float(exact), exact + 1.0, exact * 10.0):
+        assert _limit(cost, snapshot, capacity, policy, 0.0, hint) == exact, hint
