@@ -13,7 +13,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from extproc.capacity import StaticCapacity
 from extproc.enginestats import EngineStats
 from extproc.errors import ConfigError
 from extproc.gate import Gate
-from extproc.ledger import Entry
+from extproc.ledger import Cap, Entry
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
 from extproc.server import Service
@@ -217,8 +217,8 @@ class RacedLedger(MemoryLedger):
         return taken
 
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                      max_inflight: int | None = None) -> bool:
-        self.answers.append(await super().reserve(entry, ceiling_ms, max_inflight))
+                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool:
+        self.answers.append(await super().reserve(entry, ceiling_ms, max_inflight, caps))
         return self.answers[-1]
 
 
