@@ -22,15 +22,11 @@ system-packages:
 	export DEBIAN_FRONTEND=noninteractive; \
 	apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	@# xds-protos ships an old copy of opentelemetry/proto that overwrites the real one
-	@# (no InstrumentationScope, so the OTLP exporter cannot import): put the real one back.
-	$(PY) -m pip install --quiet --force-reinstall --no-deps \
-		"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+	$(PY) -m pip install --quiet -e '.[dev]' -c constraints.txt
 	@touch $(STAMP)
 
 demo: setup

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.stack import free_port, wait_http
+from extproc_dev.stack import free_port, wait_http
 
 
 def test_bad_config_exits_2_naming_every_bad_key(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.engine import EngineModel
-from extproc.fakebackend import build_app
+from extproc_dev.fakebackend import build_app
 
 Client = TestClient[web.Request, web.Application]
 DEFAULT = EngineModel()

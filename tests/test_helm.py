@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from extproc import config as config_mod
-from extproc.stack import envoy_binary
+from extproc_dev.stack import envoy_binary
 from tests import helm_tool
 from tests.helm_tool import CHART, ROOT
 

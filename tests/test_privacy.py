@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from extproc.stack import LocalStack, Process
+from extproc_dev.stack import LocalStack, Process
 from tests.conftest import pool
 from tests.otlp_receiver import Receiver
 

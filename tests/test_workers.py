@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import config
 from extproc.errors import ConfigError
-from extproc.stack import wait_http
 from extproc.workers import check, shifted, worker_config
+from extproc_dev.stack import wait_http
 from tests.redis_server import RedisServer
 
 
