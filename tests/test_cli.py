@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc_dev.stack import free_port, wait_http
@@ -44,3 +45,34 @@ def test_serve_reports_health_and_exits_cleanly_on_sigterm(tmp_path: Path) -> No
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["envoy-config", "--backend", "nonsense"], "expected HOST:PORT"),
+    (["envoy-config", "--backend", "10.0.0.1:99999"], "not a TCP port (1-65535): '99999'"),
+    (["envoy-config", "--port", "70000"], "not a TCP port (1-65535): '70000'"),
+    (["envoy-config", "--admin-port", "0"], "not a TCP port"),
+    (["envoy-config", "--workers", "0"], "must be a whole number >= 1"),
+    (["fake-backend", "--replicas", "0"], "--replicas: must be a whole number >= 1 (got '0')"),
+    (["fake-backend", "--port", "-1"], "not a TCP port"),
+    (["fake-backend", "--time-scale", "-1"], "--time-scale must be >= 0"),
+    (["fake-backend", "--max-num-seqs", "0"], "fake-backend:"),
+    (["serve", "--workers", "zero"], "must be a whole number >= 1"),
+    (["--log-level", "loud", "serve"], "not a log level: 'loud'"),
+])
+def test_bad_arguments_are_one_clear_line_never_a_traceback(args: list[str],
+                                                            message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "extproc", *args], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""  # nothing half-written, no config with a bad port in it
+
+
+def test_envoy_config_takes_good_backends_and_log_levels_in_any_case() -> None:
+    result = subprocess.run([sys.executable, "-m", "extproc", "--log-level", "debug",
+                             "envoy-config", "--backend", "10.0.0.7:8001", "--port", "65535"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "10.0.0.7" in result.stdout and "8001" in result.stdout and "65535" in result.stdout
