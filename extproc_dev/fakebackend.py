@@ -25,8 +25,8 @@ import asyncio
 import base64
 import dataclasses
 import json
-import struct
 import random
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
