@@ -3,8 +3,13 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The image `make image` builds; the chart's default (helm/extproc values: extproc.image) is
+# the same name at the chart's appVersion.
+IMAGE   ?= envoy-llm-admission
+VERSION := $(shell sed -n 's/^appVersion: "\(.*\)"/\1/p' helm/extproc/Chart.yaml)
 
-.PHONY: setup system-packages demo test check lint typecheck bench bench-memory eval clean
+.PHONY: setup system-packages demo test check lint typecheck bench bench-memory eval clean \
+	image-name
 
 setup: $(STAMP) system-packages
 
@@ -67,6 +72,9 @@ bench-memory: setup
 eval: setup
 	$(VENV)/bin/extproc eval --out out/eval $(EVAL_ARGS)
 	$(VENV)/bin/extproc eval --autoscale --seeds 3 --out out/eval
+
+image-name:
+	@echo $(IMAGE):$(VERSION)
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache
