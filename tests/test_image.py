@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -144,12 +145,26 @@ def pod(images: tuple[str, str], tmp_path: Path) -> Iterator[dict[str, int]]:
         wait_http(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=60)
         wait_http(f"http://127.0.0.1:{ports['admin']}/ready", timeout=60)
         wait_http(f"http://127.0.0.1:{ports['http']}/health", timeout=60)
+        hook = next(d for d in docs if d["kind"] == "Pod")  # `helm test`'s request
+        ports["hook_exit"] = _helm_test_hook(hook, sidecar, ports["http"])
         yield ports
     finally:
         for name in reversed(names):
             logs = _podman("logs", "--tail", "20", name, check=False)
             print(f"--- {name}\n{logs.stdout[-3000:]}{logs.stderr[-3000:]}")
             _podman("rm", "--force", "--time", "5", name, check=False)
+
+
+def _helm_test_hook(hook: dict[str, Any], image: str, port: int) -> int:
+    """The chart's `helm test` pod, run from the image; the Service's name becomes the
+    loopback address (no cluster DNS on the host network). Its exit status."""
+    [c] = hook["spec"]["containers"]
+    script = re.sub(r"http://[a-z0-9-]+:\d+/", f"http://127.0.0.1:{port}/", c["args"][0])
+    done = subprocess.run([*RUN, "--rm", "--entrypoint", c["command"][0], image,
+                           *c["command"][1:], script], capture_output=True, text=True,
+                          timeout=120)
+    print("helm test hook:", done.stdout, done.stderr[-2000:])
+    return done.returncode
 
 
 def _chat(port: int, max_tokens: int) -> tuple[int, dict[str, str], bytes]:
@@ -165,6 +180,7 @@ def _chat(port: int, max_tokens: int) -> tuple[int, dict[str, str], bytes]:
 
 
 def test_the_chart_pod_from_the_image_answers_200_and_429(pod: dict[str, int]) -> None:
+    assert pod["hook_exit"] == 0  # the chart's `helm test` request passed
     status, _, body = _chat(pod["http"], 8)
     assert status == 200, body
     assert json.loads(body)["choices"][0]["message"]["content"] == " tok" * 8
