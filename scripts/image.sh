@@ -40,7 +40,7 @@ if [ -z "$base" ]; then
 fi
 
 echo "wheels: runtime dependencies at constraints.txt -> .image-wheels/"
-rm -rf .image-wheels
+rm -rf .image-wheels build  # build/: setuptools' folder, which keeps files deleted since
 # async-timeout: redis needs it below Python 3.11.3 (Debian bookworm's is 3.11.2), which the
 # interpreter collecting the wheels may not be
 "$PY" -m pip wheel --quiet --wheel-dir .image-wheels -c constraints.txt . async-timeout 2>&1 \

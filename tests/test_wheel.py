@@ -52,6 +52,11 @@ def test_wheel_carries_the_license_and_both_packages(installed: tuple[Path, Path
     assert any(n.endswith("licenses/LICENSE") for n in names)
     assert "extproc/_proto/otlp_trace_pb2.py" in names and "extproc/ledger/reserve.lua" in names
     assert "extproc_dev/fakebackend.py" in names
+    # exactly the modules of the source tree (a stale build/ folder would add old ones)
+    for package in ("extproc", "extproc_dev"):
+        source = {p.relative_to(ROOT).as_posix() for p in (ROOT / package).rglob("*.py")}
+        packed = {n for n in names if n.startswith(f"{package}/") and n.endswith(".py")}
+        assert packed == source, packed ^ source
     assert not [n for n in names if n.startswith("tests/")]
 
 
