@@ -40,15 +40,22 @@ _RENAMED = {"InstrumentationLibrarySpans": "ScopeSpans",
             "InstrumentationLibrary": "InstrumentationScope"}
 
 
+def _either(module: object, *names: str) -> type:
+    found: type = next(getattr(module, n) for n in names if hasattr(module, n))
+    return found
+
+
 def _layout(message: Descriptor) -> dict[int, tuple[int, str]]:
     return {f.number: (f.type, _RENAMED.get(f.message_type.name, f.message_type.name)
                        if f.message_type else "") for f in message.fields}
 
 
-def test_field_numbers_and_types_agree_with_the_otlp_copy_xds_protos_ships() -> None:
-    # xds-protos carries an old but genuine OTLP (what Envoy's tracer config refers to); every
-    # field both define must have the same number and wire type. Envoy's own spans, decoded by
-    # tests/otlp_receiver.py in tests/test_tracing_e2e.py, check the current layout end to end.
+def test_field_numbers_and_types_agree_with_the_installed_otlp() -> None:
+    # xds-protos carries an old but genuine OTLP (what Envoy's tracer config refers to), or a
+    # venv made before this project stopped installing opentelemetry-proto has the current one
+    # there; every field both define must have the same number and wire type. Envoy's own
+    # spans, decoded by tests/otlp_receiver.py in tests/test_tracing_e2e.py, check the current
+    # layout end to end.
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ref_service
     from opentelemetry.proto.common.v1 import common_pb2 as ref_common
     from opentelemetry.proto.resource.v1 import resource_pb2 as ref_resource
@@ -56,13 +63,14 @@ def test_field_numbers_and_types_agree_with_the_otlp_copy_xds_protos_ships() -> 
 
     pairs = [(pb.ExportTraceServiceRequest, ref_service.ExportTraceServiceRequest),
              (pb.ResourceSpans, ref_trace.ResourceSpans),
-             (pb.ScopeSpans, ref_trace.InstrumentationLibrarySpans),
+             (pb.ScopeSpans, _either(ref_trace, "ScopeSpans", "InstrumentationLibrarySpans")),
              (pb.Span, ref_trace.Span), (pb.Span.Event, ref_trace.Span.Event),
              (pb.Span.Link, ref_trace.Span.Link), (pb.Status, ref_trace.Status),
              (pb.Resource, ref_resource.Resource), (pb.KeyValue, ref_common.KeyValue),
              (pb.AnyValue, ref_common.AnyValue), (pb.ArrayValue, ref_common.ArrayValue),
              (pb.KeyValueList, ref_common.KeyValueList),
-             (pb.InstrumentationScope, ref_common.InstrumentationLibrary)]
+             (pb.InstrumentationScope,
+              _either(ref_common, "InstrumentationScope", "InstrumentationLibrary"))]
     compared = 0
     for ours, reference in pairs:
         mine, theirs = _layout(ours.DESCRIPTOR), _layout(reference.DESCRIPTOR)
