@@ -76,3 +76,14 @@ def test_envoy_config_takes_good_backends_and_log_levels_in_any_case() -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "10.0.0.7" in result.stdout and "8001" in result.stdout and "65535" in result.stdout
+
+
+def test_a_config_with_an_impossible_port_never_reaches_envoys_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "ports.yaml"
+    cfg.write_text("listen: 127.0.0.1:70000\nmetrics_listen: 127.0.0.1:99999\n")
+    result = subprocess.run([sys.executable, "-m", "extproc", "envoy-config", "--config",
+                             str(cfg)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "listen: the port must be 0-65535 (got '127.0.0.1:70000')" in result.stderr
+    assert "metrics_listen: the port must be 0-65535 (got '127.0.0.1:99999')" in result.stderr
+    assert "Traceback" not in result.stderr
