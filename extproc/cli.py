@@ -287,6 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"extproc: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # aiohttp's listeners: a port in use, an address not this host's
+        print(f"extproc: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        # grpc says only this when a listener cannot bind (in use, or not this host's address)
+        if not str(exc).startswith("Failed to bind to address"):
+            raise
+        print(f"extproc: cannot listen: {str(exc).split(';')[0]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

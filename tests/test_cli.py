@@ -1,6 +1,7 @@
 """The `extproc` command as a user runs it: real processes, real signals."""
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -87,3 +88,18 @@ def test_a_config_with_an_impossible_port_never_reaches_envoys_config(tmp_path: 
     assert "listen: the port must be 0-65535 (got '127.0.0.1:70000')" in result.stderr
     assert "metrics_listen: the port must be 0-65535 (got '127.0.0.1:99999')" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_one_line_for_serve_and_fake_backend(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = tmp_path / "busy.yaml"
+        cfg.write_text(f"listen: 127.0.0.1:{port}\nmetrics_listen: 127.0.0.1:0\n")
+        for args in (["serve", "--config", str(cfg)], ["fake-backend", "--port", str(port)]):
+            result = subprocess.run([sys.executable, "-m", "extproc", *args],
+                                    capture_output=True, text=True, timeout=60)
+            assert result.returncode == 1, result.stderr
+            assert "extproc: cannot listen" in result.stderr and str(port) in result.stderr
+            assert "Traceback" not in result.stderr, result.stderr
