@@ -77,8 +77,8 @@ image-name:
 	@echo $(IMAGE):$(VERSION)
 
 # The sidecar's image from Containerfile, without Docker (buildah, chroot isolation; a Debian
-# base from mmdebstrap where no registry is reachable: scripts/image.sh). ~5 min the first
-# time on 2 cores, most of it the base; IMAGE_BASE=<python 3.11 image> skips mmdebstrap.
+# base from mmdebstrap where no registry is reachable: scripts/image.sh). About 1 min on 2 cores
+# with the base already made, 2 the first time; IMAGE_BASE=<python 3.11 image> skips mmdebstrap.
 image: setup
 	@command -v buildah >/dev/null 2>&1 && command -v mmdebstrap >/dev/null 2>&1 || { \
 		if [ "$$(id -u)" != 0 ]; then \
@@ -95,4 +95,4 @@ image-test: image
 	$(PY) -m pytest -q -m image tests/test_image.py
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache .image-wheels build
