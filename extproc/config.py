@@ -388,7 +388,11 @@ def _address(v: str) -> str | None:
     if v.startswith("unix:"):
         return None
     host, sep, port = v.rpartition(":")
-    return None if sep and host and port.isdigit() else "must be HOST:PORT or unix:PATH"
+    if not (sep and host and port.isdigit()):
+        return "must be HOST:PORT or unix:PATH"
+    # 0: any free port (what tests bind); above 65535 no socket exists, and Envoy's config
+    # rendered from this one would name it
+    return None if int(port) <= 65535 else "the port must be 0-65535"
 
 
 def _writable_dir(v: str) -> str | None:

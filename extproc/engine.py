@@ -1,7 +1,7 @@
 """One inference replica as vLLM V1 runs it: the scheduler, its KV cache, and a step-time model.
 
 This is the fleet model of the project, in one place. The simulator (``extproc.sim.engine``,
-virtual time), the fake backend (``extproc.fakebackend``, real time) and the admission
+virtual time), the fake backend (``extproc_dev.fakebackend``, real time) and the admission
 defaults (``extproc.capacity``) all read the same ``EngineModel``; the simulator and the fake
 backend run the same ``Scheduler``.
 

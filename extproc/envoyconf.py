@@ -25,6 +25,19 @@ Choices made here, each matching what the server expects:
 - Circuit breakers: Envoy's default of 1,024 concurrent requests per cluster would cap long
   LLM streams (one ext_proc gRPC stream per HTTP request): both clusters get 100,000.
 - No route timeout: generations can run for many minutes; clients own their deadlines.
+- ``request_timeout`` (``Topology.request_timeout_s``, 30 s): the time a client has to send
+  the whole request, headers and body. It stops once the request is in, so it never cuts a
+  generation; it cuts a body shorter than its ``Content-Length`` (a broken or hostile client)
+  with Envoy's 408 instead of holding the ext_proc stream and the connection for the
+  10-minute idle timeout. 30 s is the latency class's whole deadline: a request still
+  arriving by then has missed it anyway.
+- ``forward_rules`` (``_forward_rules``): the sidecar is sent only the request headers it
+  reads (path, method, the content headers, the deadline header, trace context, the tenant
+  header when that is the tenant's source). Clients' ``Authorization``, API keys and cookies
+  reach the backend as before, never the processor, its logs or its memory.
+- Overload manager: a global limit on downstream connections (``MAX_DOWNSTREAM_CONNECTIONS``),
+  without which Envoy 1.40 warns at start that none is configured. Set high: admission, not
+  connection counting, is how this gateway sheds load; the limit guards file descriptors.
 - Upstream health checks on ``/health``.
 - The processor cluster: active gRPC health checks every 0.5 s (two failures take a host out)
   and outlier detection on connection failures, so a dead or draining ``extproc serve`` stops
@@ -81,6 +94,7 @@ from envoy_data_plane.envoy.config.endpoint.v3 import (
     LocalityLbEndpoints,
 )
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import (
     Route,
     RouteAction,
@@ -92,6 +106,7 @@ from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingH
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
+    HeaderForwardingRules,
     MetadataOptions,
     MetadataOptionsMetadataNamespaces,
     ProcessingMode,
@@ -112,18 +127,22 @@ from envoy_data_plane.envoy.extensions.load_balancing_policies.least_request.v3 
     LeastRequest,
     LeastRequestSelectionMethod,
 )
+from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import (
+    DownstreamConnectionsConfig,
+)
 from envoy_data_plane.envoy.extensions.transport_sockets.tls import v3 as tls
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptions,
     HttpProtocolOptionsExplicitHttpConfig,
 )
-from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
 from envoy_data_plane.google.protobuf import Any as AnyProto
 
 from extproc.config import Config, TenantConfig, TenantSource
 
 BUFFER_SLACK_BYTES = 1024
+MAX_DOWNSTREAM_CONNECTIONS = 100_000
 _BIG = 100_000
 _HEADER = ProcessingModeHeaderSendMode
 _BODY = ProcessingModeBodySendMode
@@ -214,6 +233,7 @@ class Topology:
     # (their typed_config packed with ``google.protobuf.Any.pack``).
     http_filters: tuple[HttpFilter, ...] = ()
     extproc_tls: ExtprocTls | None = None  # mTLS towards the processor (its ``tls`` section)
+    request_timeout_s: float = 30.0  # to receive a whole request (headers and body)
 
 
 @dataclass(frozen=True)
@@ -320,6 +340,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             status_on_error=HttpStatus(code=error_status(topo.status_on_error)),
             message_timeout=_s(2),
             allow_mode_override=True,
+            forward_rules=_forward_rules(config),
             metadata_options=_forwarded_metadata(config.tenant),
             processing_mode=doc.explicit(ProcessingMode(
                 request_header_mode=_HEADER.SEND,
@@ -334,6 +355,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         stat_prefix="ingress",
         codec_type=HttpConnectionManagerCodecType.AUTO,
         stream_idle_timeout=_s(600),
+        request_timeout=_s(topo.request_timeout_s),
         route_config=RouteConfiguration(name="inference", virtual_hosts=[VirtualHost(
             name="inference",
             domains=["*"],
@@ -398,6 +420,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     ), "type")
     return doc.json(Bootstrap(
         admin=Admin(address=_address("127.0.0.1", topo.admin_port)),
+        overload_manager=_overload_manager(doc),
         static_resources=BootstrapStaticResources(
             listeners=[Listener(
                 name="inference",
@@ -412,6 +435,29 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
                       *([_otel_cluster(doc, *otel)] if otel is not None else [])],
         ),
     ))
+
+
+def forwarded_headers(config: Config) -> tuple[str, ...]:
+    """The request headers the sidecar reads (server.py, gate.py, tenant.py, telemetry.py),
+    the only ones Envoy sends it. Pseudo-headers count as headers for Envoy's matcher."""
+    names = [":path", ":method", "content-type", "content-length", "content-encoding",
+             config.deadline_header, "traceparent", "tracestate"]
+    if config.tenant.source is TenantSource.HEADER:
+        names.append(config.tenant.header)
+    return tuple(dict.fromkeys(name.lower() for name in names))
+
+
+def _forward_rules(config: Config) -> HeaderForwardingRules:
+    return HeaderForwardingRules(allowed_headers=ListStringMatcher(
+        patterns=[StringMatcher(exact=name) for name in forwarded_headers(config)]))
+
+
+def _overload_manager(doc: _Doc) -> OverloadManager:
+    return OverloadManager(resource_monitors=[ResourceMonitor(
+        name="envoy.resource_monitors.global_downstream_max_connections",
+        typed_config=doc.pack(DownstreamConnectionsConfig(
+            max_active_downstream_connections=MAX_DOWNSTREAM_CONNECTIONS)),
+    )])
 
 
 def _forwarded_metadata(tenant: TenantConfig) -> MetadataOptions | None:

@@ -17,7 +17,6 @@ Every answer we make ourselves has an OpenAI-style JSON error body and an
 from __future__ import annotations
 
 import json
-import math
 import random
 
 from envoy.config.core.v3 import base_pb2
@@ -27,6 +26,7 @@ from envoy.type.v3 import http_status_pb2
 from extproc.admission import Reason
 from extproc.config import RetryAfter
 from extproc.errors import RequestError
+from extproc.retry import retry_delay_ms
 
 REASON_HEADER = "x-admission-reason"
 
@@ -40,22 +40,6 @@ _OVERLOAD_MESSAGES = {
     Reason.LEDGER_UNAVAILABLE: "Admission control is unavailable.",
     Reason.PROCESSOR_OVERLOADED: "The gateway is at capacity.",
 }
-
-
-def retry_delay_ms(retry_after_ms: float | None, rules: RetryAfter, rng: random.Random) -> int:
-    """When a rejected client should come back, in whole milliseconds:
-
-        ceil(min(max_s x 1000, max(hint, min_s x 1000) x (1 + U x jitter))),  U in [0, 1)
-
-    ``hint`` is the decision's ``retry_after_ms`` (when the request would fit; none: 0). The floor
-    is applied before the spread, so requests rejected together with a small hint (or none) still
-    return at different times, up to ``jitter x min_s`` apart; the cap comes last, and also takes
-    a hint that is not a finite number.
-    """
-    floor_ms = rules.min_s * 1000.0
-    base_ms = max(retry_after_ms or 0.0, floor_ms)
-    spread_ms = base_ms * (1.0 + rng.random() * rules.jitter)
-    return math.ceil(min(rules.max_s * 1000.0, spread_ms))
 
 
 def retry_after_s(retry_after_ms: float | None, rules: RetryAfter, rng: random.Random) -> int:

@@ -86,6 +86,7 @@ from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 from extproc.metrics import Metrics
 from extproc.request import check_content_type
+from extproc.retry import retry_delay_ms
 from extproc.telemetry import Tracing
 from extproc.tenant import Tenant, Tenants
 from extproc.tls import ServerCertificates
@@ -254,7 +255,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if verdict.error is not None:
             return responses.refused(verdict.error, verdict.reason), verdict
         retry_ms = verdict.decision.retry_after_ms if verdict.decision else None
-        delay_ms = responses.retry_delay_ms(retry_ms, self.config.retry_after, self.rng)
+        delay_ms = retry_delay_ms(retry_ms, self.config.retry_after, self.rng)
         return responses.overloaded(verdict.reason, delay_ms), verdict
 
 

@@ -1,4 +1,5 @@
-"""Traces: one span per admission decision, exported over OTLP/gRPC (Jaeger ingests it).
+"""Traces: one span per admission decision, exported over OTLP/gRPC (Jaeger ingests it;
+``extproc.otlp`` says why the exporter is our own).
 
 The span is a child of Envoy's own span for the request: Envoy's tracer injects W3C trace
 context (``traceparent``) into the ext_proc gRPC call's metadata; when it is absent we fall
@@ -63,17 +64,18 @@ class Tracing:
         self._provider: Any = None
         self._tracer: trace.Tracer | None = None
         if config.endpoint:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
             from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
+            from extproc.otlp import OtlpSpanExporter
+
             self._provider = TracerProvider(
                 resource=Resource.create({"service.name": config.service_name}),
                 sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
             )
-            exporter = OTLPSpanExporter(endpoint=config.endpoint, insecure=True)
+            exporter = OtlpSpanExporter(config.endpoint)
             self._provider.add_span_processor(BatchSpanProcessor(
                 exporter, schedule_delay_millis=500))
             self._tracer = self._provider.get_tracer("extproc")

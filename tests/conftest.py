@@ -12,7 +12,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.server import Service
-from extproc.stack import LocalStack
+from extproc_dev.stack import LocalStack
 from tests.extproc_client import Stream
 
 

@@ -137,7 +137,10 @@ SCALED_OBJECT = _obj({
                                 "envSourceContainerName": _STR}, ("name",)),
         "pollingInterval": _INT0, "cooldownPeriod": _INT0, "initialCooldownPeriod": _INT0,
         "idleReplicaCount": _INT0, "minReplicaCount": _INT0, "maxReplicaCount": _INT0,
-        "fallback": _obj({"failureThreshold": _INT0, "replicas": _INT0},
+        "fallback": _obj({"failureThreshold": _INT0, "replicas": _INT0,
+                          "behavior": {"enum": ["static", "currentReplicas",
+                                                "currentReplicasIfHigher",
+                                                "currentReplicasIfLower"]}},
                          ("failureThreshold", "replicas")),
         "advanced": _obj({
             "restoreToOriginalReplicaCount": {"type": "boolean"},

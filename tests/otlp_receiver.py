@@ -1,4 +1,9 @@
-"""A real OTLP/gRPC trace receiver for tests: what Jaeger's collector port speaks."""
+"""A real OTLP/gRPC trace receiver for tests: what Jaeger's collector port speaks.
+
+It serves ``TraceService/Export`` at its full OTLP path and decodes with the sidecar's own copy
+of the messages (``proto/otlp_trace.proto``); Envoy's OpenTelemetry tracer exports to the same
+receiver, so a span of Envoy's decoded here checks that copy against a real implementation.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,24 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from extproc.stack import free_port
+from extproc._proto import otlp_trace_pb2 as pb
+from extproc.otlp import EXPORT_METHOD
+from extproc_dev.stack import free_port
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+class Receiver:
     def __init__(self) -> None:
         self.requests: list[bytes] = []  # raw bytes, to search for canaries
         self.spans: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self.port = free_port()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        service, method = EXPORT_METHOD.strip("/").split("/")
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {
+            method: grpc.unary_unary_rpc_method_handler(
+                self.Export, request_deserializer=pb.ExportTraceServiceRequest.FromString,
+                response_serializer=pb.ExportTraceServiceResponse.SerializeToString)})])
         self._server.add_insecure_port(f"127.0.0.1:{self.port}")
 
     @property
@@ -42,7 +52,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[mis
                             "parent_span_id": span.parent_span_id.hex(),
                             "attributes": {a.key: _value(a.value) for a in span.attributes},
                         })
-        return trace_service_pb2.ExportTraceServiceResponse()
+        return pb.ExportTraceServiceResponse()
 
     def __enter__(self) -> Receiver:
         self._server.start()

@@ -30,7 +30,7 @@ from typing import Any, Self
 
 import redis
 
-from extproc.stack import free_port
+from extproc_dev.stack import free_port
 
 READY_TIMEOUT_S = 10.0
 

@@ -26,7 +26,7 @@ from extproc.capacity import (
 from extproc.config import Pool
 from extproc.engine import EngineModel
 from extproc.errors import ConfigError
-from extproc.stack import LocalStack, free_port
+from extproc_dev.stack import LocalStack, free_port
 from tests.conftest import pool
 
 DATA = Path(__file__).parent / "data"

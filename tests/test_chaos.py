@@ -39,7 +39,7 @@ from extproc.capacity import StaticCapacity
 from extproc.gate import Gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
-from extproc.stack import LocalStack, scrape
+from extproc_dev.stack import LocalStack, scrape
 from tests.redis_server import RedisServer
 from tests.test_redis_stack import HeldStream
 from tests.traffic import Ask, Traffic, count, envoy_stats, health, wait_until

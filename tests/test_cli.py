@@ -1,15 +1,17 @@
 """The `extproc` command as a user runs it: real processes, real signals."""
 
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.stack import free_port, wait_http
+from extproc_dev.stack import free_port, wait_http
 
 
 def test_bad_config_exits_2_naming_every_bad_key(tmp_path: Path) -> None:
@@ -44,3 +46,60 @@ def test_serve_reports_health_and_exits_cleanly_on_sigterm(tmp_path: Path) -> No
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["envoy-config", "--backend", "nonsense"], "expected HOST:PORT"),
+    (["envoy-config", "--backend", "10.0.0.1:99999"], "not a TCP port (1-65535): '99999'"),
+    (["envoy-config", "--port", "70000"], "not a TCP port (1-65535): '70000'"),
+    (["envoy-config", "--admin-port", "0"], "not a TCP port"),
+    (["envoy-config", "--workers", "0"], "must be a whole number >= 1"),
+    (["fake-backend", "--replicas", "0"], "--replicas: must be a whole number >= 1 (got '0')"),
+    (["fake-backend", "--port", "-1"], "not a TCP port"),
+    (["fake-backend", "--time-scale", "-1"], "--time-scale must be >= 0"),
+    (["fake-backend", "--max-num-seqs", "0"], "fake-backend:"),
+    (["serve", "--workers", "zero"], "must be a whole number >= 1"),
+    (["--log-level", "loud", "serve"], "not a log level: 'loud'"),
+])
+def test_bad_arguments_are_one_clear_line_never_a_traceback(args: list[str],
+                                                            message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "extproc", *args], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""  # nothing half-written, no config with a bad port in it
+
+
+def test_envoy_config_takes_good_backends_and_log_levels_in_any_case() -> None:
+    result = subprocess.run([sys.executable, "-m", "extproc", "--log-level", "debug",
+                             "envoy-config", "--backend", "10.0.0.7:8001", "--port", "65535"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "10.0.0.7" in result.stdout and "8001" in result.stdout and "65535" in result.stdout
+
+
+def test_a_config_with_an_impossible_port_never_reaches_envoys_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "ports.yaml"
+    cfg.write_text("listen: 127.0.0.1:70000\nmetrics_listen: 127.0.0.1:99999\n")
+    result = subprocess.run([sys.executable, "-m", "extproc", "envoy-config", "--config",
+                             str(cfg)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "listen: the port must be 0-65535 (got '127.0.0.1:70000')" in result.stderr
+    assert "metrics_listen: the port must be 0-65535 (got '127.0.0.1:99999')" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_one_line_for_serve_and_fake_backend(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = tmp_path / "busy.yaml"
+        cfg.write_text(f"listen: 127.0.0.1:{port}\nmetrics_listen: 127.0.0.1:0\n")
+        for args in (["serve", "--config", str(cfg)], ["fake-backend", "--port", str(port)]):
+            result = subprocess.run([sys.executable, "-m", "extproc", *args],
+                                    capture_output=True, text=True, timeout=60)
+            assert result.returncode == 1, result.stderr
+            assert "extproc: cannot listen" in result.stderr and str(port) in result.stderr
+            assert "Traceback" not in result.stderr, result.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc import demo
+from extproc_dev import demo
 
 RUN_KEYS = {
     "sent", "ok", "rejected_429", "share_429", "abandoned", "failed", "latency_p50_s",

@@ -32,7 +32,7 @@ from extproc.ledger import Cap, Entry
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
 from extproc.server import Service
-from extproc.stack import LocalStack, Process, free_port, scrape, wait_http
+from extproc_dev.stack import LocalStack, Process, free_port, scrape, wait_http
 from tests.extproc_client import Stream, body, chat, headers, serving
 
 FAST = {"interval_s": 0.1, "timeout_s": 0.3, "max_age_s": 1.0}  # max_age >= interval + timeout

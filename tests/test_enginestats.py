@@ -19,7 +19,7 @@ from extproc.enginestats import (
     correction,
     parse,
 )
-from extproc.stack import Process, free_port, wait_http
+from extproc_dev.stack import Process, free_port, wait_http
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -8,7 +8,7 @@ from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import Processin
 from pydantic import ValidationError
 
 from extproc import config, envoyconf
-from extproc.stack import envoy_binary
+from extproc_dev.stack import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 

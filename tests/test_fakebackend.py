@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.engine import EngineModel
-from extproc.fakebackend import build_app
+from extproc_dev.fakebackend import build_app
 
 Client = TestClient[web.Request, web.Application]
 DEFAULT = EngineModel()
@@ -330,3 +330,35 @@ async def test_openai_sdk_reads_streams() -> None:
         await sdk.close()
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " tok" * 4
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+@pytest.mark.asyncio
+async def test_completion_takes_a_token_id_prompt_and_counts_its_length() -> None:
+    async with serving() as client:
+        body = {"model": "m", "prompt": [128000, 9906, 1917, 0], "max_tokens": 2}
+        answer = await post_json(client, body, "/v1/completions")
+        bad = await client.post("/v1/completions", json={"model": "m", "prompt": [1, -2]})
+        assert bad.status == 400
+        assert (await bad.json())["error"]["param"] == "prompt"
+    assert answer["usage"]["prompt_tokens"] == 4
+
+
+@pytest.mark.asyncio
+async def test_embeddings_and_models_through_the_openai_sdk() -> None:
+    async with serving() as client:
+        sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+        # the SDK asks for base64 by default and decodes it itself
+        one = await sdk.embeddings.create(model="fake-llm", input="x" * 40)
+        ids = await sdk.embeddings.create(model="fake-llm", input=[[1, 2, 3], [4, 5]],
+                                          encoding_format="float")
+        models = await sdk.models.list()
+        await sdk.close()
+        bad = await client.post("/v1/embeddings", json={"model": "m", "input": [1, "a"]})
+        assert bad.status == 400 and (await bad.json())["error"]["param"] == "input"
+        # prefill only: every embedding sequence left the engines
+        await until(client, lambda m: m[RUNNING] == 0 and m[WAITING] == 0)
+    assert len(one.data) == 1 and len(one.data[0].embedding) == 8
+    assert one.usage.prompt_tokens == 10
+    assert [d.index for d in ids.data] == [0, 1] and ids.usage.prompt_tokens == 5
+    assert all(-1 <= v <= 1 for d in ids.data for v in d.embedding)
+    assert [m.id for m in models.data] == ["fake-llm"]

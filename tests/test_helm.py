@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import fields
 from functools import cache
@@ -26,7 +27,7 @@ import pytest
 import yaml
 
 from extproc import config as config_mod
-from extproc.stack import envoy_binary
+from extproc_dev.stack import envoy_binary
 from tests import helm_tool
 from tests.helm_tool import CHART, ROOT
 
@@ -90,11 +91,18 @@ def test_helm_lint_strict(case: str) -> None:
 def test_default_values_render_the_gateway_only() -> None:
     docs = rendered("default")
     assert kinds(docs) == {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role",
-                           "RoleBinding", "PodDisruptionBudget"}
+                           "RoleBinding", "PodDisruptionBudget", "Pod"}  # Pod: `helm test`
     pod = gateway_pod(docs)
     assert [c["name"] for c in pod["containers"]] == ["envoy", "extproc"]
     assert [c["name"] for c in pod["initContainers"]] == ["envoy-config"]
     assert container(pod, "envoy")["image"] == "envoyproxy/envoy:v1.40.0"
+    # what `make image` tags, at the chart's appVersion
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    tagged = subprocess.run(["make", "-s", "image-name"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    assert tagged == f"envoy-llm-admission:{app_version}"
+    for c in (container(pod, "extproc"), container(pod, "envoy-config", init=True)):
+        assert c["image"] == tagged
     service = find(docs, "Service", "gw-extproc")
     assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
         "http": "http", "metrics": "metrics"}
@@ -346,26 +354,63 @@ def test_notes_say_how_to_reach_the_gateway_and_jaeger() -> None:
 
 # --- the dashboard ------------------------------------------------------------------------
 
-def _documented_metrics() -> set[str]:
-    text = (ROOT / "README.md").read_text() + "".join(
-        p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
-    return set(re.findall(r"`(extproc_[a-z_]+)", text))
+@pytest.fixture(scope="module")
+def exposed_metrics(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """Every sample name a running ``extproc serve`` exposes on ``/metrics``: each family
+    is listed (HELP and TYPE) even before its first sample; a counter as ``<name>_total``, a
+    histogram as ``_bucket``, ``_sum`` and ``_count``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from extproc_dev.stack import free_port, wait_http
+
+    grpc_port, metrics_port = free_port(), free_port()
+    cfg = tmp_path_factory.mktemp("scrape") / "extproc.yaml"
+    cfg.write_text(f"listen: 127.0.0.1:{grpc_port}\nmetrics_listen: 127.0.0.1:{metrics_port}\n"
+                   f"keda_listen: 127.0.0.1:{free_port()}\nautoscale: {{window_s: 1}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "extproc", "serve", "--config", str(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        wait_http(url, proc=proc)  # type: ignore[arg-type]
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                    "summary": ("_sum", "_count")}.get(family.type, ("",))
+        names.update(family.name + suffix for suffix in suffixes)
+        names.update(sample.name for sample in family.samples)
+    assert "extproc_admission_decisions_total" in names  # a real scrape, not an empty page
+    return names
 
 
-def test_dashboard_panels_use_documented_metrics() -> None:
+def test_dashboard_queries_name_only_metrics_the_server_exposes(
+        exposed_metrics: set[str]) -> None:
     dashboard = json.loads((CHART / "dashboards" / "extproc.json").read_text())
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     titles = " / ".join(p["title"] for p in panels).lower()
     for topic in ("outcome", "reason", "reject ratio", "queue", "outstanding work",
                   "replicas", "recommendation"):
         assert topic in titles, topic
-    documented = _documented_metrics()
+    missing = []
     for panel in panels:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
-            for metric in re.findall(r"\b(extproc_[a-z_]+)", target["expr"]):
-                base = re.sub(r"_(bucket|sum|count)$", "", metric)
-                assert metric in documented or base in documented, (panel["title"], metric)
+            names = re.findall(r"\b(extproc_[a-z_]+)", target["expr"])
+            assert names, (panel["title"], target["expr"])
+            missing += [(panel["title"], n) for n in names if n not in exposed_metrics]
+    assert not missing, missing
+
+
+def test_documented_metric_tables_name_only_exposed_metrics(exposed_metrics: set[str]) -> None:
+    for doc in (ROOT / "docs" / "autoscaling.md", ROOT / "README.md"):
+        rows = re.findall(r"^\| `(extproc_[a-z_]+)`", doc.read_text(), flags=re.MULTILINE)
+        # a histogram is documented by its family name
+        assert not [n for n in rows if n not in exposed_metrics
+                    and f"{n}_bucket" not in exposed_metrics], doc.name
 
 
 # --- the Envoy config the pod would run ----------------------------------------------------
@@ -556,3 +601,103 @@ def test_envoy_admin_script_probes_and_drains_a_real_envoy(tmp_path: Path) -> No
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# --- images, KEDA, `helm test`, the chart as a subchart --------------------------------------
+
+def _sidecar_image(*sets: str) -> str:
+    image: str = container(gateway_pod(tuple(helm_tool.template(sets=sets))), "extproc")["image"]
+    return image
+
+
+def test_image_reference_takes_registry_global_registry_tag_and_digest() -> None:
+    digest = "sha256:" + "ab" * 32
+    assert _sidecar_image("extproc.image.registry=reg.example/ml") == (
+        "reg.example/ml/envoy-llm-admission:0.1.0")
+    assert _sidecar_image("global.imageRegistry=mirror.example") == (
+        "mirror.example/envoy-llm-admission:0.1.0")
+    assert _sidecar_image("global.imageRegistry=mirror.example",
+                          "extproc.image.registry=own.example") == (
+        "own.example/envoy-llm-admission:0.1.0")
+    assert _sidecar_image("extproc.image.tag=dev", f"extproc.image.digest={digest}") == (
+        f"envoy-llm-admission:dev@{digest}")
+    assert "/extproc/image/digest" in helm_tool.template_error(
+        sets=("extproc.image.digest=latest",))
+
+
+def test_keda_by_default_serves_the_scaler_it_points_at_with_a_fallback() -> None:
+    docs = tuple(helm_tool.template(sets=("autoscaling.mode=keda",
+                                          "autoscaling.target.name=vllm")))
+    cfg = yaml.safe_load(find(docs, "ConfigMap", "gw-extproc")["data"]["config.yaml"])
+    scaled = find(docs, "ScaledObject", "vllm")["spec"]
+    address = scaled["triggers"][0]["metadata"]["scalerAddress"]
+    port = int(address.rsplit(":", 1)[1])
+    assert cfg["keda_listen"] == f"0.0.0.0:{port}"
+    scaler = find(docs, "Service", "gw-extproc-scaler")
+    assert address.startswith(scaler["metadata"]["name"] + ".")
+    assert [p["port"] for p in scaler["spec"]["ports"]] == [port]
+    assert port in [p["containerPort"] for p in container(gateway_pod(docs), "extproc")["ports"]]
+    assert scaled["triggers"][0]["metricType"] == "AverageValue"  # a fallback needs it
+    assert scaled["fallback"] == {"failureThreshold": 3, "replicas": 1,
+                                  "behavior": "currentReplicasIfHigher"}
+    off = tuple(helm_tool.template(sets=("autoscaling.mode=keda", "autoscaling.target.name=vllm",
+                                         "autoscaling.keda.fallback.enabled=false",
+                                         "autoscaling.keda.writeListenKey=false")))
+    assert "fallback" not in find(off, "ScaledObject", "vllm")["spec"]
+    assert "keda_listen" not in yaml.safe_load(
+        find(off, "ConfigMap", "gw-extproc")["data"]["config.yaml"])
+
+
+def test_keda_notes_describe_what_is_served() -> None:
+    sets = ("--set", "autoscaling.mode=keda", "--set", "autoscaling.target.name=vllm")
+    notes = helm_tool.helm("install", "--dry-run", "gw", str(CHART), "-n", "llm",
+                           *sets).stdout.split("NOTES:", 1)[1]
+    assert "gw-extproc-scaler.llm.svc:9443 (keda_listen in the config)" in notes
+    assert "not served yet" not in notes and "does not serve yet" not in notes
+
+
+def test_helm_test_hook_sends_one_request_with_the_sidecar_image() -> None:
+    docs = rendered("default")
+    pod = find(docs, "Pod", "gw-extproc-test-request")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    [c] = pod["spec"]["containers"]
+    assert c["image"] == container(gateway_pod(docs), "extproc")["image"]
+    assert "http://gw-extproc:8000/v1/chat/completions" in c["args"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    # the script itself is valid Python
+    compile(c["args"][0], "helm-test", "exec")
+
+
+def test_the_chart_renders_as_a_subchart_of_an_umbrella(tmp_path: Path) -> None:
+    # Helm hands every subchart `global`; the umbrella's values for the subchart sit under its
+    # name. `helm dependency update` packs this chart from a file:// repository, as a user would.
+    umbrella = tmp_path / "platform"
+    (umbrella / "templates").mkdir(parents=True)
+    (umbrella / "templates" / "team.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: team}\n"
+        "data: {team: {{ .Values.global.team | quote }}}\n")
+    (umbrella / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "platform", "version": "1.0.0",
+        "dependencies": [{"name": "extproc", "version": "0.1.0",
+                          "repository": f"file://{CHART}", "alias": "gateway"}]}))
+    (umbrella / "values.yaml").write_text(yaml.safe_dump({
+        "global": {"imageRegistry": "mirror.example", "team": "ml-platform"},
+        "gateway": {"backend": {"host": "vllm.inference"}, "replicaCount": 1}}))
+    helm_tool.helm("dependency", "update", str(umbrella))
+    done = helm_tool.helm("template", "plat", str(umbrella), "--namespace", "llm")
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    assert next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "team"
+                )["data"] == {"team": "ml-platform"}
+    pod = gateway_pod_named(docs, "plat-gateway")
+    assert container(pod, "extproc")["image"] == "mirror.example/envoy-llm-admission:0.1.0"
+    assert container(pod, "envoy")["image"] == "mirror.example/envoyproxy/envoy:v1.40.0"
+    lint = helm_tool.helm("lint", "--strict", str(umbrella), check=False)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def gateway_pod_named(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"
+                    and d["metadata"]["name"] == name]
+    spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return spec

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from extproc.stack import LocalStack
+from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 
 pytestmark = pytest.mark.integration

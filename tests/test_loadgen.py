@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from extproc import loadgen
 from extproc.engine import EngineModel
-from extproc.fakebackend import build_app
-from extproc.loadgen import Lengths, Planned, Result, Workload, percentile, summarize
-from extproc.stack import free_port
+from extproc_dev import loadgen
+from extproc_dev.fakebackend import build_app
+from extproc_dev.loadgen import Lengths, Planned, Result, Workload, percentile, summarize
+from extproc_dev.stack import free_port
 
 # -- workloads ------------------------------------------------------------------------------
 

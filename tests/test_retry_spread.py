@@ -28,7 +28,7 @@ import httpx
 import openai
 import pytest
 
-from extproc.stack import LocalStack
+from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import config
 from extproc.server import SERVICE_NAME, Service
-from extproc.stack import scrape
+from extproc_dev.stack import scrape
 from tests.extproc_client import Stream, admit_one, body, chat, headers, serving
 
 

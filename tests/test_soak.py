@@ -49,7 +49,7 @@ import pytest
 from redis import Redis
 from redis.exceptions import RedisError
 
-from extproc.stack import LocalStack
+from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 from tests.redis_server import RedisServer
 from tests.traffic import Ask, Traffic, count, figures, rss_bytes, saturation_rps, wait_until
@@ -139,7 +139,7 @@ def ledger_keys(redis: RedisServer) -> list[bytes]:
 
 
 def inflight(stack: LocalStack, replica: int) -> float:
-    from extproc.stack import scrape
+    from extproc_dev.stack import scrape
 
     return scrape(stack.replica_metrics_url(replica), "extproc_inflight_requests")
 

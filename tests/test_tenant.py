@@ -50,8 +50,8 @@ from google.protobuf import struct_pb2
 from extproc import config, decisionlog, envoyconf
 from extproc.errors import ConfigError
 from extproc.server import Service
-from extproc.stack import LocalStack
 from extproc.tenant import Fallback, Tenants
+from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 from tests.extproc_client import Stream, body, chat, headers
 from tests.traffic import Ask as TrafficAsk

@@ -27,8 +27,8 @@ from extproc import config, envoyconf
 from extproc.config import ServerTls
 from extproc.errors import ConfigError
 from extproc.server import Service
-from extproc.stack import LocalStack, envoy_binary
 from extproc.tls import ServerCertificates
+from extproc_dev.stack import LocalStack, envoy_binary
 from tests.conftest import pool
 from tests.extproc_client import Stream, admit_one
 from tests.redis_server import Certs

@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import config
 from extproc.errors import ConfigError
-from extproc.stack import scrape, wait_http
 from extproc.workers import check, shifted, worker_config
+from extproc_dev.stack import scrape, wait_http
 from tests.redis_server import RedisServer
 from tests.traffic import wait_until
 
@@ -142,7 +142,7 @@ def test_envoy_stops_sending_to_a_killed_worker_and_takes_it_back_once_restarted
     no request fails after that (fail-closed: a stream sent to the dead worker would be a
     503); once the supervisor has restarted it, Envoy's health checks put it back and it
     decides again."""
-    from extproc.stack import Process, envoy_binary, free_port
+    from extproc_dev.stack import Process, envoy_binary, free_port
     from tests.traffic import Ask, Traffic, count
 
     grpc_base, metrics_base = consecutive_ports(2), consecutive_ports(2)

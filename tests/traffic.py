@@ -8,7 +8,7 @@ its next request when the last one is answered: the saturation probe) or open (a
 fixed rate whatever happens to earlier ones: overload and soak, where a slow gateway must not
 slow the offered load down).
 
-Prompts are ordinary words (``extproc.loadgen.prompt_text``), different for every request so a
+Prompts are ordinary words (``extproc_dev.loadgen.prompt_text``), different for every request so a
 tokenizer's cache never makes the processor's work cheaper than production's; never logged.
 """
 
@@ -31,7 +31,7 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.loadgen import prompt_text
+from extproc_dev.loadgen import prompt_text
 
 CHAT = "/v1/chat/completions"
 

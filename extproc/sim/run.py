@@ -33,7 +33,7 @@ from extproc.learning import PoolLearning
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
 from extproc.lengths import Prior, decay_factor
-from extproc.responses import retry_delay_ms
+from extproc.retry import retry_delay_ms
 from extproc.sim.autoscaler import Fixed, Observation, Recommender
 from extproc.sim.clients import Attempt, ClientModel
 from extproc.sim.engine import INF, Replica

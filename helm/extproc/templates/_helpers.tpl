@@ -43,8 +43,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+An image reference: [registry/]repository[:tag][@digest]. The registry is the image's own, else
+global.imageRegistry (an umbrella chart's), else none; the tag defaults to .default; a digest
+pins the image whatever the tag says. Call with (dict "image" ... "default" ... "global" ...).
+*/}}
 {{- define "extproc.image" -}}
-{{- printf "%s:%s" .image.repository (toString (.image.tag | default .default)) -}}
+{{- $registry := .image.registry | default ((.global | default dict).imageRegistry) | default "" -}}
+{{- $ref := .image.repository -}}
+{{- if $registry }}{{ $ref = printf "%s/%s" (trimSuffix "/" $registry) $ref }}{{ end -}}
+{{- $tag := toString (.image.tag | default .default) -}}
+{{- if $tag }}{{ $ref = printf "%s:%s" $ref $tag }}{{ end -}}
+{{- if .image.digest }}{{ $ref = printf "%s@%s" $ref .image.digest }}{{ end -}}
+{{- $ref -}}
 {{- end -}}
 
 {{/* Paths inside the gateway pod. */}}

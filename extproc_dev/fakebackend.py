@@ -22,9 +22,11 @@ completed requests only.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import random
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -41,6 +43,7 @@ from extproc.errors import BadRequest
 
 TOKEN_TEXT = " tok"
 DEFAULT_MAX_TOKENS = 256
+EMBEDDING_DIM = 8  # small on purpose: the vectors mean nothing, their cost is the prompt's
 LENGTH_MU, LENGTH_SIGMA = 5.02, 0.86  # log-normal output lengths, Azure conversation trace fit
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
@@ -169,12 +172,51 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _prompt_text(body: dict[str, Any], chat: bool) -> str:
-    """The prompt's text; ``prompt_tokens = max(1, utf8_bytes // 4)``."""
+def _token_ids(value: object) -> bool:
+    """Whether ``value`` is a non-empty list of token ids (non-negative integers)."""
+    return (isinstance(value, list) and bool(value)
+            and all(type(t) is int and t >= 0 for t in value))
+
+
+def _text_tokens(text: str) -> int:
+    """A text's token count as this backend charges it: ``max(1, utf8_bytes // 4)``."""
+    return max(1, len(text.encode()) // 4)
+
+
+def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
+    """The prompt's token count: text at ``utf8_bytes // 4``, a token-id prompt
+    (``"prompt": [128000, 9906, ...]``, as vLLM accepts) at its length."""
     if not chat:
-        if not isinstance(prompt := body.get("prompt"), str):
-            raise BadRequest("prompt must be a string", param="prompt")
-        return prompt
+        prompt = body.get("prompt")
+        if _token_ids(prompt):
+            return len(prompt)  # type: ignore[arg-type]
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
+        return _text_tokens(prompt)
+    return _text_tokens(_prompt_text(body))
+
+
+def _embedding_inputs(body: object) -> list[int]:
+    """``input`` of an embeddings call -> the token count of each input: a string, a list of
+    strings, a list of token ids or a list of such lists, as OpenAI's API and vLLM take it."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    value = body.get("input")
+    if isinstance(value, str):
+        return [_text_tokens(value)]
+    if _token_ids(value):
+        return [len(value)]  # type: ignore[arg-type]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return [_text_tokens(v) for v in value]
+        if all(_token_ids(v) for v in value):
+            return [len(v) for v in value]
+    raise BadRequest("input must be a string, a list of strings, a list of token ids or a"
+                     " list of token-id lists", param="input")
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    """A chat request's message text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
@@ -198,7 +240,7 @@ def _parse_call(body: object, chat: bool) -> _Call:
     options = body.get("stream_options")
     return _Call(
         chat=chat,
-        prompt_tokens=max(1, len(_prompt_text(body, chat).encode()) // 4),
+        prompt_tokens=_prompt_tokens(body, chat),
         max_tokens=limit or _positive_int(body, "max_tokens") or DEFAULT_MAX_TOKENS,
         output_tokens=_positive_int(body, "extproc_output_tokens"),
         stream=body.get("stream") is True,
@@ -326,6 +368,50 @@ class _Backend:
         return {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.output_tokens,
                 "total_tokens": seq.prompt_tokens + seq.output_tokens}
 
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """POST /v1/embeddings: each input is a prefill-only request on an engine (one step
+        past its prompt), answered with a small deterministic vector per input, as floats or
+        as base64 of little-endian float32 (what the OpenAI SDK asks for by default)."""
+        submitted: list[tuple[Engine, Request]] = []
+        try:
+            body = await _read_json(request)
+            counts = _embedding_inputs(body)
+            assert isinstance(body, dict)  # _embedding_inputs refuses anything else
+            encoding = body.get("encoding_format", "float")
+            if encoding not in ("float", "base64"):
+                raise BadRequest("encoding_format must be float or base64",
+                                 param="encoding_format")
+            loop_time = asyncio.get_running_loop().time()
+            for tokens in counts:
+                seq = Request(tokens, 1, loop_time)
+                engine = min(self.engines, key=lambda e: e.load)
+                engine.submit(seq)
+                submitted.append((engine, seq))
+        except BadRequest as exc:
+            for engine, seq in submitted:
+                engine.abort(seq)
+            return _error(exc)
+        data = []
+        try:
+            for index, (_, seq) in enumerate(submitted):
+                await seq.tokens.get()
+                vector = [round(self.rng.uniform(-1, 1), 6) for _ in range(EMBEDDING_DIM)]
+                packed: object = vector if encoding == "float" else base64.b64encode(
+                    struct.pack(f"<{EMBEDDING_DIM}f", *vector)).decode()
+                data.append({"object": "embedding", "index": index, "embedding": packed})
+        finally:
+            for engine, seq in submitted:
+                engine.abort(seq)
+        total = sum(counts)
+        return web.json_response({"object": "list", "data": data, "model": self.model_name,
+                                  "usage": {"prompt_tokens": total, "total_tokens": total}})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the one model this backend serves."""
+        model = {"id": self.model_name, "object": "model", "created": int(time.time()),
+                 "owned_by": "extproc-fake-backend"}
+        return web.json_response({"object": "list", "data": [model]})
+
     async def _whole(self, call: _Call, seq: Request, reason: str) -> web.StreamResponse:
         """The non-streaming answer, once the last token is out."""
         for _ in range(seq.output_tokens):
@@ -398,6 +484,8 @@ def build_app(model: EngineModel, *, replicas: int = 1, model_name: str = "fake-
     app.add_routes([
         web.post("/v1/chat/completions", backend.completion),
         web.post("/v1/completions", backend.completion),
+        web.post("/v1/embeddings", backend.embeddings),
+        web.get("/v1/models", backend.models),
         web.get("/health", backend.health),
         web.post("/admin/health", backend.set_health),
         web.get("/metrics", backend.metrics),

@@ -71,11 +71,11 @@ from typing import Any, TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc import loadgen
 from extproc.config import Pool
 from extproc.engine import LLAMA_70B_FP8_2XH100
-from extproc.fakebackend import engine_flags
-from extproc.stack import LocalStack, scrape
+from extproc_dev import loadgen
+from extproc_dev.fakebackend import engine_flags
+from extproc_dev.stack import LocalStack, scrape
 
 BACKENDS = 2
 MAX_RUNNING = 16

