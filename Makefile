@@ -9,7 +9,7 @@ IMAGE   ?= envoy-llm-admission
 VERSION := $(shell sed -n 's/^appVersion: "\(.*\)"/\1/p' helm/extproc/Chart.yaml)
 
 .PHONY: setup system-packages demo test check lint typecheck chaos bench bench-memory eval clean \
-	image-name image image-test
+	image-name image image-test test-fast
 
 setup: $(STAMP) system-packages
 
@@ -37,8 +37,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(VENV)/bin/extproc demo
 
-test: setup
+# What CI runs (.ci/run): the linter, the type checker (mypy --strict), then the suite.
+test: lint typecheck
 	$(PY) -m pytest -q
+
+# Unit tests only: no Envoy, Redis, helm or child processes (seconds, not minutes).
+test-fast: setup
+	$(PY) -m pytest -q -m 'not integration and not redis and not slow'
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -46,7 +51,7 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy extproc
 
-check: lint typecheck test
+check: test
 
 # The failure-mode guarantees measured at length (~3 min on 2 cores: 100 bursts, kill -9 of a
 # replica under 30 s of load both ways, 10 Redis restarts), figures to out/chaos/*.json; the

@@ -23,7 +23,8 @@ from extproc.engine import (
 )
 from extproc.workload import read_azure
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure-llm-2023-conv.csv"
+TRACE = (Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"
+         / "azure-llm-2023-conv.csv.gz")
 CONTEXTS = (1000, 4000, 16000, 64000)
 BATCHES = (1, 16, 64, 256)
 PROMPTS = (1000, 8000, 32000, 128000)

@@ -7,10 +7,11 @@ service class and tenant, and optionally a deadline the client sends in the dead
 
 Formats and sources:
 
-- **Azure LLM inference trace CSV** (``TIMESTAMP,ContextTokens,GeneratedTokens``; the 2023
-  traces in ``../shared/traces``): ``read_azure``. Arrivals are seconds from the first row,
-  divided by ``rate_x`` (``rate_x = 2`` replays the same requests at twice the rate). The CSV
-  carries no ``max_tokens``: pass the one the clients should send, or ``None``.
+- **Azure LLM inference trace CSV** (``TIMESTAMP,ContextTokens,GeneratedTokens``, plain or
+  ``.gz``; the 2023 traces, vendored in ``tests/data/traces``): ``read_azure``. Arrivals are
+  seconds from the first row, divided by ``rate_x`` (``rate_x = 2`` replays the same requests
+  at twice the rate). The CSV carries no ``max_tokens``: pass the one the clients should send,
+  or ``None``.
 - **JSONL** of our own, one job per line: ``{"arrival_s": 0.25, "prompt_tokens": 812,
   "max_tokens": 256, "output_tokens": 97, "class": "latency", "tenant": "a"}``
   (``max_tokens``, ``class``, ``tenant``, ``priority``, ``deadline_ms`` optional;
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gzip
 import itertools
 import json
 import math
@@ -40,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from extproc.errors import ConfigError
 from extproc.share import parse_priority, priority_label
@@ -88,7 +90,7 @@ class Mix:
     max_tokens: int | None = None
 
 
-# Log-normal fits of the Azure 2023 traces (../shared/traces/README.md).
+# Log-normal fits of the Azure 2023 traces (tests/data/traces/README.md).
 CONVERSATION = Mix(prompt=LogNormal(6.63, 0.99, high=16_000),
                    output=LogNormal(5.02, 0.86, high=4_000))
 CODE = Mix(prompt=LogNormal(7.00, 1.36, high=16_000), output=LogNormal(2.79, 0.85, high=4_000))
@@ -180,7 +182,7 @@ def read_azure(path: str | os.PathLike[str], *, rate_x: float = 1.0,
     if rate_x <= 0:
         raise ConfigError([f"rate_x: must be > 0 (got {rate_x})"])
     jobs: list[Job] = []
-    with open(path, newline="", encoding="utf-8") as f:
+    with _open_text(path) as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None or [h.strip() for h in header[:3]] != [
@@ -206,6 +208,13 @@ def read_azure(path: str | os.PathLike[str], *, rate_x: float = 1.0,
         first = jobs[0].arrival_s
         jobs = [_shift(j, -first) for j in jobs]
     return jobs
+
+
+def _open_text(path: str | os.PathLike[str]) -> TextIO:
+    """A trace as text; gzip-compressed when its name ends in ``.gz``."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", newline="", encoding="utf-8")
+    return open(path, newline="", encoding="utf-8")
 
 
 def _shift(job: Job, by: float) -> Job:
@@ -290,7 +299,7 @@ def write_jsonl(jobs: Iterable[Job], path: str | os.PathLike[str]) -> None:
 
 def sniff(path: str | os.PathLike[str]) -> str:
     """``azure``, ``jsonl`` or ``decisions``, from the file's first line."""
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         first = f.readline().strip()
     if first.startswith("TIMESTAMP"):
         return "azure"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import random
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from extproc.engine import (
 SMALL = EngineModel(max_num_seqs=3, max_num_batched_tokens=10, block_size=4, num_gpu_blocks=12,
                     max_model_len=40, step_base_ms=10.0, ms_per_token=1.0, ms_per_seq=0.5,
                     ms_per_kv_token=0.01, ms_per_prefill_pair=0.001)
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent / "data" / "traces"
 
 
 def run_to_end(sched: Scheduler, limit: int = 10_000) -> list[Sequence]:
@@ -234,7 +235,7 @@ def test_steps_within_finds_the_boundary_of_a_growing_run() -> None:
 
 
 def test_the_presets_reproduce_the_published_latencies() -> None:
-    with (TRACES / "azure-llm-2023-conv.csv").open() as f:
+    with gzip.open(TRACES / "azure-llm-2023-conv.csv.gz", "rt") as f:
         rows = list(csv.reader(f))[1:5001]
     prompts, outputs = [int(r[1]) for r in rows], [int(r[2]) for r in rows]
     at = {c: calibration_itl_ms(LLAMA_70B_FP8_2XH100, c, prompts, outputs, requests=1500)

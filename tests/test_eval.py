@@ -229,6 +229,8 @@ GAPS = {
                                  " gateway does not measure",
     ("summarisation", "tuned"): "0.79x the tuned limit of 10: KV-bound documents whose"
                                 " prefill stalls the decodes beside them",
+    ("noisy-neighbour", "naive"): "0.965x naive: fair shares keep room for the steady tenant"
+                                  " that the burst could have used",
     ("priority", "naive"): "0.13x naive: a 22 s deadline under the cold prior's promise"
                            " refuses every priority alike on an idle 16-slot fleet",
     ("priority", "saturation"): "0.18x the saturation detector (the same cold start)",

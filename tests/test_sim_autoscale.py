@@ -51,7 +51,7 @@ from extproc.sim.clients import Attempt
 from extproc.sim.run import Scenario, Simulation
 from extproc.workload import Job
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent / "data" / "traces"
 KEYS = ("incident", "code")
 AUTOSCALERS = ("hpa", "recommender")
 POLICY = ScalingPolicy()
@@ -66,7 +66,7 @@ REPLICA_MIN_BOUND = 1.9
 def scenario(key: str, autoscaler: str) -> Scenario:
     if key == "incident":
         return scenarios.incident(fleet_scale=0.25, autoscaler=autoscaler)
-    return scenarios.azure("code", TRACES / "azure-llm-2023-code.csv", rate_x=1.0, replicas=2,
+    return scenarios.azure("code", TRACES / "azure-llm-2023-code.csv.gz", rate_x=1.0, replicas=2,
                            start_s=300.0, duration_s=1200.0, autoscaler=autoscaler,
                            max_replicas=4, provisioning_s=540.0)
 

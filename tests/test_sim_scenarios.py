@@ -21,7 +21,7 @@ from extproc.sim import policies, scenarios
 from extproc.sim.run import Result, Scenario, simulate
 from extproc.workload import read_azure
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent / "data" / "traces"
 KEYS = ("incident",)
 POLICIES = ("none", "naive", "article", "default")
 
@@ -96,7 +96,7 @@ def test_admission_beats_slot_counting_and_the_articles_formula(
 # ---- speed and determinism -----------------------------------------------------------------
 
 def test_an_hour_of_the_conversation_trace_runs_in_seconds() -> None:
-    jobs = read_azure(TRACES / "azure-llm-2023-conv.csv", max_tokens=1024)
+    jobs = read_azure(TRACES / "azure-llm-2023-conv.csv.gz", max_tokens=1024)
     sc = scenarios.replay("conv-hour", jobs, replicas=4, rate_x=1.0)
     started = time.process_time()
     result = simulate(sc, policies.make("default"))

@@ -10,8 +10,8 @@ import pytest
 from extproc import workload
 from extproc.errors import ConfigError
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-CONV = TRACES / "azure-llm-2023-conv.csv"
+TRACES = Path(__file__).resolve().parent / "data" / "traces"
+CONV = TRACES / "azure-llm-2023-conv.csv.gz"
 
 
 def test_azure_trace_reads_every_row_in_order_from_zero() -> None:

@@ -62,9 +62,9 @@ The families (ranges are per seed, ``U(a, b)`` uniform):
   U(10, 60) s later. A conversation ends early where its prompt would pass ``max_model_len``.
   The capacity that sets the rate counts only the uncached part of each prompt (a warm cache).
   Chat class, streaming. Nominal U(8, 12) min.
-- ``azure-conv``, ``azure-code``: the Azure 2023 traces in ``../shared/traces`` (a family whose
-  file is missing is skipped, see ``missing``): a window of the hour starting at a drawn
-  offset, replayed at ``load x capacity``. ``conv``: the chat class, streaming,
+- ``azure-conv``, ``azure-code``: the Azure 2023 traces in ``tests/data/traces`` (a family
+  whose file is missing, outside a checkout, is skipped, see ``missing``): a window of the hour
+  starting at a drawn offset, replayed at ``load x capacity``. ``conv``: the chat class, streaming,
   ``max_tokens`` 1024. ``code``: 10 s deadline, no TTFT objective, not streamed (an editor waits
   for the whole answer), ``max_tokens`` 2048, timeout U(10, 60) s.
 - ``incident``: ``scenarios.incident`` (the 8 am story: clinical summaries, 4 s deadline,
@@ -115,7 +115,7 @@ from extproc.workload import (
     read_azure,
 )
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces"  # in a checkout
 BUDGET = 3000  # requests a run holds at load 1 (size 1), at most
 FLOOR_S = 60.0  # ... but never shorter than this
 PROBE = 2000  # jobs drawn to measure a mix's capacity
@@ -411,7 +411,7 @@ def _trace(path: str, max_tokens: int) -> tuple[Job, ...]:
 def _azure(kind: str, seed: int, load: float, fleet: Fleet, size: float) -> Drawn:
     family = f"azure-{kind}"
     d = _Draws(family, seed)
-    path = TRACES / f"azure-llm-2023-{kind}.csv"
+    path = TRACES / f"azure-llm-2023-{kind}.csv.gz"
     max_tokens = scenarios.AZURE_MAX_TOKENS[kind]
     trace = _trace(str(path), max_tokens)
     hour = trace[-1].arrival_s
@@ -559,7 +559,7 @@ TIME_VARYING = ("diurnal", "flash-crowd", "incident")
 def missing(name: str) -> str | None:
     """Why a family cannot run here (a trace file is missing), or None."""
     if name.startswith("azure-"):
-        path = TRACES / f"azure-llm-2023-{name[6:]}.csv"
+        path = TRACES / f"azure-llm-2023-{name[6:]}.csv.gz"
         if not path.is_file():
             return f"{name}: skipped, no trace at {path}"
     return None
