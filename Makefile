@@ -43,7 +43,7 @@ test: lint typecheck
 
 # Unit tests only: no Envoy, Redis, helm or child processes (seconds, not minutes).
 test-fast: setup
-	$(PY) -m pytest -q -m 'not integration and not redis and not slow'
+	$(PY) -m pytest -q -m 'not integration and not redis and not slow and not soak and not chaos and not image'
 
 lint: setup
 	$(VENV)/bin/ruff check .

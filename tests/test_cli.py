@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc_dev.stack import free_port, wait_http
 
+pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
+
 
 def test_bad_config_exits_2_naming_every_bad_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"

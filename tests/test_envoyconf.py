@@ -10,6 +10,8 @@ from pydantic import ValidationError
 from extproc import config, envoyconf
 from extproc_dev.stack import envoy_binary
 
+pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

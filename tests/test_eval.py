@@ -16,6 +16,8 @@ from extproc import cli
 from extproc.sim import evaluate, families
 from extproc.sim.autoscaler import KedaWaiting, Observation
 
+pytestmark = pytest.mark.slow  # simulations of more than a few seconds
+
 AVAILABLE = [f for f in families.FAMILIES if families.missing(f) is None]
 
 

@@ -31,6 +31,8 @@ from extproc_dev.stack import envoy_binary
 from tests import helm_tool
 from tests.helm_tool import CHART, ROOT
 
+pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
+
 VALUE_SETS: dict[str, tuple[Path, ...]] = {
     "default": (),
     "all-on": (CHART / "ci" / "all-on-values.yaml",),

@@ -18,6 +18,8 @@ from extproc._proto import externalscaler_pb2_grpc as pb_grpc
 from extproc.autoscale import Direction, Reading, Reason, Recommendation
 from extproc.keda import ExternalScaler, add_to_server, metric_name
 
+pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
+
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ("externalscaler_pb2.py", "externalscaler_pb2.pyi", "externalscaler_pb2_grpc.py")
 

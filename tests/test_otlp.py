@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from google.protobuf.descriptor import Descriptor
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -19,6 +20,8 @@ from extproc._proto import otlp_trace_pb2 as pb
 from extproc.otlp import OtlpSpanExporter, channel_target, encode
 from extproc_dev.stack import free_port
 from tests.otlp_receiver import Receiver
+
+pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ("otlp_trace_pb2.py", "otlp_trace_pb2.pyi")

@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from extproc_dev.stack import envoy_binary
+
+pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ROOT / "extproc"

@@ -163,6 +163,7 @@ NOISY_GAPS = {  # measured: A's goodput during the burst / alone
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fleet", "load"), [("70b-16", 0.8), ("70b-16", 1.5), ("70b-16", 3.0),
                                              ("8b-vllm", 0.8), ("8b-vllm", 1.5),
                                              ("70b-vllm", 1.5)])
@@ -187,6 +188,7 @@ def served(fleet: str, load: float) -> dict[int, tuple[float, float]]:
             for level in (CRITICAL, STANDARD, SHEDDABLE)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", ["70b-16", "8b-vllm", "70b-vllm"])
 def test_critical_traffic_is_served_first(fleet: str) -> None:
     """The priority family at 3x: critical requests are served before the others, within
@@ -204,6 +206,7 @@ PRIORITY_GAPS = {  # measured at 3x: critical completions in time / critical job
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", ["70b-16", "8b-vllm", "70b-vllm"])
 def test_critical_goodput_under_3x_overload_is_its_offered_load(fleet: str,
                                                                 request: pytest.FixtureRequest,

@@ -51,6 +51,8 @@ from extproc.sim.clients import Attempt
 from extproc.sim.run import Scenario, Simulation
 from extproc.workload import Job
 
+pytestmark = pytest.mark.slow  # simulations of more than a few seconds
+
 TRACES = Path(__file__).resolve().parent / "data" / "traces"
 KEYS = ("incident", "code")
 AUTOSCALERS = ("hpa", "recommender")

@@ -21,6 +21,8 @@ from extproc.sim import policies, scenarios
 from extproc.sim.run import Result, Scenario, simulate
 from extproc.workload import read_azure
 
+pytestmark = pytest.mark.slow  # simulations of more than a few seconds
+
 TRACES = Path(__file__).resolve().parent / "data" / "traces"
 KEYS = ("incident",)
 POLICIES = ("none", "naive", "article", "default")

@@ -25,6 +25,8 @@ from extproc_dev.stack import scrape, wait_http
 from tests.redis_server import RedisServer
 from tests.traffic import wait_until
 
+pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
+
 
 def consecutive_ports(n: int) -> int:
     """A base port with the ``n`` ports from it free (retried: another process may race)."""
