@@ -4,31 +4,24 @@ One request's path: ``check(...)`` parses the body, prices it (``extproc.pricing
 counted, or estimated when the decision is not close), reads the ledger snapshot and capacity,
 calls the pure step (``extproc.step.admit``, around ``decide``) and, when the request will
 run, reserves its ledger entry and returns a ``Ticket`` (``extproc.verdict``). ``settle(ticket)``
-releases the entry when the request ends, however it ends. The entries of running requests
-are kept alive by the heartbeat and given back to a ledger that was away
-(``extproc.leases``); every ledger call goes through ``Leases.call``.
+releases the entry when the request ends, however it ends. The heartbeat keeps the entries of
+running requests alive and a ledger that was away is given what it missed (``extproc.leases``,
+through which every ledger call goes). An admission priced on an estimate is counted exactly
+afterwards and its entry charged the exact cost (``_recount``).
 
-What the gate is given, not what it builds: the ledger, the capacity source, metrics, the
-token counters and engine scrapers, tracing (off by default) and the listeners that hear of
-every verdict and settled ticket (``extproc.verdict.Listener``: the autoscaling loop; none by
-default). The server adapter maps the ``Verdict`` to Envoy's answer; nothing here knows about
-Envoy.
+Passed in, not built or set afterwards: the ledger, the capacity source, metrics, the token
+counters and engine scrapers, tracing (off by default) and the listeners that hear of every
+verdict and settled ticket (``extproc.verdict.Listener``: the autoscaling loop; none by
+default). The server maps the ``Verdict`` to Envoy's answer; nothing here knows about Envoy.
 
 Engine signals. For a pool with ``engine_metrics``, what ``decide`` sees is the ledger's
 snapshot plus the work the engines report that the ledger does not know about (traffic that
-bypassed this gateway, other gateways' in-process ledgers): ``extproc.enginestats`` has the
-formula. The engines' view is read once per decision (``EngineStats.latest``, a walk over the
-pool's last samples); a stale one adds nothing. The ledger and the local view stay
-uncorrected: the correction changes what is decided, never what is recorded.
-
-Output lengths. Every cost carries the pool's output-length prediction from one predictor per
-pool (``predictor``). For a pool with ``engine_metrics`` and ``learn_output_lengths`` it is an
-``Observed`` fed by each scrape round's increase of the engines' generation-token histogram
-and decayed once a round (``decay_factor`` of ``interval_s``); until it has seen enough
-outputs, and on engines without the histogram (TGI), the configured prediction applies.
-
-Exact counts. An admission made on an estimate is counted exactly afterwards (``_recount``, on
-the pricing's thread) and its ledger entry charged the exact cost (``Leases.recharge``).
+bypassed this gateway, other gateways' in-process ledgers; ``extproc.enginestats`` has the
+formula), and the KV cache they report replaces the configured one. The engines' view is read
+once per decision (``EngineStats.latest``); a stale one adds nothing. The ledger and the local
+view stay uncorrected: the correction changes what is decided, never what is recorded. With
+``learn_output_lengths``, each scrape round's finished outputs (the engines' generation-token
+histogram) feed the pool's learned lengths (``learn_lengths``).
 
 The ledger may be shared (Redis) and may fail. A decision's ledger calls (snapshot, then the
 atomic reserve against the decision's ``ceiling_ms``) together get ``decision_deadline_ms``.
@@ -36,15 +29,18 @@ If another gateway took the room between our snapshot and our reserve, the ledge
 the request is decided again on a fresh snapshot (``RESERVE_ATTEMPTS`` in all). When the ledger
 is unavailable (``LedgerUnavailable``, or the deadline passed) the configured policy decides:
 
-- ``fail_open``: decide by the local view (``Leases.local``), the last snapshot the ledger
-  gave for the pool moved by this process's own admissions and completions since. Other
-  gateways' work since then is unseen, so over-admission is bounded by what they admit during
-  the outage. An admitted request keeps a ticket; it is recorded in the ledger as soon as the
-  ledger answers.
+- ``fail_open``: decide by the local view (``Leases.local``: the last snapshot the ledger gave
+  for the pool moved by this process's own admissions and completions since). Other gateways'
+  work since then is unseen, so over-admission is bounded by what they admit during the
+  outage. An admitted request keeps a ticket, recorded as soon as the ledger answers.
 - ``fail_closed``: refuse with 429 ``ledger_unavailable`` (the Retry-After minimum).
 
 Both are counted (``extproc_ledger_unavailable_decisions_total``) and logged once per outage,
-never with request content. Renewals and releases never fail a request (``extproc.leases``).
+never with request content.
+
+Why this module passes the house's ~400 lines: it is one decision's orchestration (check,
+price, admit and reserve, the fault policy, settle) and reads top to bottom as that path; each
+job with a model of its own already lives apart (pricing, leases, verdict, step, enginestats).
 """
 
 from __future__ import annotations
@@ -61,8 +57,15 @@ from extproc import decisionlog
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.capacity import CapacitySource
 from extproc.config import Config, Mode, OnUnavailable, Pool, Route, TracingConfig
-from extproc.enginestats import Bucket, Correction, EngineStats, PoolStats, correction
-from extproc.errors import BadRequest, LedgerUnavailable, RequestError
+from extproc.enginestats import (
+    Bucket,
+    Correction,
+    EngineStats,
+    PoolStats,
+    correction,
+    with_reported_kv,
+)
+from extproc.errors import LedgerUnavailable, RequestError
 from extproc.estimate import TokenCounter, prompt_tokens
 from extproc.learning import PoolLearning, learning_for
 from extproc.leases import Leases
@@ -70,8 +73,8 @@ from extproc.ledger import Entry, Ledger
 from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.pricing import Pricing, Uncounted
-from extproc.request import InferenceRequest, parse
-from extproc.share import parse_priority, priority_label
+from extproc.request import InferenceRequest, deadline_ms, parse
+from extproc.share import parse_priority
 from extproc.step import (
     NO_CORRECTION,
     Admission,
@@ -82,9 +85,9 @@ from extproc.step import (
     priority_of,
     running_of,
 )
-from extproc.telemetry import DecisionSpan, Tracing
+from extproc.telemetry import Tracing, annotate
 from extproc.tenant import Tenant, Tenants
-from extproc.verdict import Listener, Ticket, Verdict
+from extproc.verdict import Listener, Ticket, Verdict, contended, invalid
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +140,6 @@ class Gate:
                 log.warning("pool %s has no tokenizer: prompt tokens are estimated at %.1f bytes"
                             " per token", pool.name, pool.bytes_per_token)
 
-
     def learn_lengths(self, pool: str, finished: Sequence[Bucket]) -> None:
         """One scrape round of the pool's engines: the outputs that finished since the last
         round (``EngineStats.on_lengths``)."""
@@ -157,36 +159,6 @@ class Gate:
             learning.decay(factor)
             learning.resolve(now)  # the requests whose deadline came, while none asks
 
-    def _as_reported(self, pool: Pool, engines: PoolStats | None) -> Pool:
-        """The pool with the KV cache its engines report (``vllm:cache_config_info``, the
-        smallest fresh replica's) instead of the configured one: vLLM sizes its cache at
-        start from the memory left, so what it says beats what was written down."""
-        if engines is None or engines.stale or engines.kv_blocks is None:
-            return pool
-        blocks, size = engines.kv_blocks
-        if (blocks, size) == (pool.engine.num_gpu_blocks, pool.engine.block_size):
-            return pool
-        key = (pool.name, blocks, size)
-        seen = self._reported.get(key)
-        if seen is None:
-            engine = dataclasses.replace(pool.engine, num_gpu_blocks=blocks, block_size=size)
-            seen = self._reported[key] = dataclasses.replace(pool, engine=engine)
-        return seen
-
-    def deadline(self, headers: Mapping[str, str]) -> float | None:
-        """The client's deadline header in ms (it can only tighten the class deadline)."""
-        raw = headers.get(self.config.deadline_header)
-        if raw is None:
-            return None
-        try:
-            asked = float(raw)
-        except ValueError:
-            asked = float("nan")
-        if not asked > 0 or asked == float("inf"):
-            raise BadRequest(f"header {self.config.deadline_header} must be a positive"
-                             " number of milliseconds")
-        return asked
-
     async def check(self, route: Route, path: str, headers: Mapping[str, str],
                     body: bytes, trace: Mapping[str, str] | None = None,
                     tenant: Tenant | None = None) -> Verdict:
@@ -202,7 +174,7 @@ class Gate:
             for listener in self.listeners:
                 listener.decided(verdict)
             if self.tracing.enabled:
-                _annotate(span, verdict, elapsed, self.config.mode.value)
+                annotate(span, verdict, elapsed, self.config.mode.value)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("decision", extra={
                     "pool": verdict.pool, "class": verdict.service_class,
@@ -215,22 +187,22 @@ class Gate:
                      body: bytes, tenant: Tenant | None = None) -> Verdict:
         cls = route.service_class
         try:
-            deadline = self.deadline(headers)
+            deadline = deadline_ms(headers, self.config.deadline_header)
             request = parse(route.api, body, path=path)
         except RequestError as exc:
-            return self._refuse(exc, None, cls)
+            return invalid(exc, None, cls)
         pool = self.config.pool_for(request.model)
         if pool is None:
             return Verdict(Outcome.PASS, Reason.UNMANAGED, service_class=cls)
         replicas = self.capacity.capacity(pool.name).replicas
         stats = self.engines.get(pool.name)
         engines = stats.latest(pool.name) if stats is not None else None  # once per decision
-        pool = self._as_reported(pool, engines)
+        pool = with_reported_kv(pool, engines, self._reported)
         try:
             ask, uncounted = await self.pricing.ask(request, pool, cls, deadline,
                                                     self._close(pool, replicas, engines))
         except RequestError as exc:
-            return self._refuse(exc, pool.name, cls)
+            return invalid(exc, pool.name, cls)
         who = tenant.name if tenant is not None else None
         ask = dataclasses.replace(ask, tenant=who, priority=priority_of(
             self.config, cls, who, self._stated_priority(headers)))
@@ -362,7 +334,7 @@ class Gate:
                         return dataclasses.replace(verdict,
                                                    ticket=self._ticket(entry, verdict))
                     # Refused: another gateway took the room since our snapshot. Again.
-                return _contended(verdict)
+                return contended(verdict)
         except (LedgerUnavailable, TimeoutError) as exc:
             return self._unavailable(exc, request_id if sent else None, pool, ask, replicas,
                                      engines)
@@ -462,7 +434,7 @@ class Gate:
     def refuse(self, error: RequestError, service_class: str,
                tenant: Tenant | None = None) -> Verdict:
         """A verdict for a request refused before it could be checked (e.g. too large)."""
-        verdict = dataclasses.replace(self._refuse(error, None, service_class), tenant=tenant)
+        verdict = dataclasses.replace(invalid(error, None, service_class), tenant=tenant)
         self.metrics.observe(verdict, self.config.mode, 0.0)
         return verdict
 
@@ -473,37 +445,3 @@ class Gate:
                           enforced=self.config.mode is Mode.ENFORCE)
         self.metrics.observe(verdict, self.config.mode, 0.0)
         return verdict
-
-    def _refuse(self, error: RequestError, pool: str | None, cls: str) -> Verdict:
-        reason = {413: Reason.BODY_TOO_LARGE, 415: Reason.UNSUPPORTED_MEDIA}.get(
-            error.status, Reason.BAD_REQUEST)
-        return Verdict(Outcome.INVALID, reason, pool, cls, error=error,
-                       enforced=True)
-
-
-def _annotate(span: DecisionSpan, verdict: Verdict, seconds: float, mode: str) -> None:
-    """The decision's explanation on its span: never prompt text."""
-    d = verdict.decision
-    span.set(**(verdict.trace or {}))
-    span.set(pool=verdict.pool, service_class=verdict.service_class, mode=mode,
-             outcome=verdict.outcome.value, reason=verdict.reason.value,
-             prompt_tokens=verdict.prompt_tokens or None,
-             output_tokens_charged=verdict.output_tokens or None,
-             decision_ms=round(seconds * 1000.0, 3))
-    if verdict.admission is not None:
-        span.set(priority=priority_label(verdict.admission.priority))
-    if verdict.tenant is not None:
-        span.set(tenant=verdict.tenant.label)
-    if d is not None:
-        span.set(wait_ms=d.wait_ms, ttft_ms=d.ttft_ms, completion_ms=d.completion_ms,
-                 budget_ms=d.budget_ms, service_ms=d.service_ms,
-                 retry_after_ms=d.retry_after_ms)
-
-
-def _contended(verdict: Verdict) -> Verdict:
-    """Every reserve was refused: other gateways keep filling the room we saw. A 429."""
-    assert verdict.decision is not None
-    decision = dataclasses.replace(verdict.decision, outcome=Outcome.REJECT,
-                                   reason=Reason.DEADLINE, ceiling_ms=None)
-    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=Reason.DEADLINE,
-                               decision=decision)

@@ -4,6 +4,7 @@
   (``extproc.responses``), metrics count and the autoscaling loop reads;
 - ``Ticket``: a request that will reach the backend holds one for its ledger entry, settled
   exactly once when its stream ends (``Gate.settle``), the shape of a reserve-then-release;
+- ``invalid``, ``contended``: the verdicts made without a decision of the step's;
 - ``Listener``: what hears of every verdict and every settled ticket (``extproc.control``);
   the gate takes its listeners at construction, none by default.
 
@@ -14,6 +15,7 @@ server can all name these without importing each other.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,6 +79,22 @@ class Verdict:
     def blocks(self) -> bool:
         """True when the request must be answered by us instead of reaching the backend."""
         return self.enforced and self.outcome in (Outcome.REJECT, Outcome.INVALID, Outcome.ERROR)
+
+
+def invalid(error: RequestError, pool: str | None, cls: str) -> Verdict:
+    """A request refused for what it is (unparseable, too large, not JSON): a 4xx."""
+    reason = {413: Reason.BODY_TOO_LARGE, 415: Reason.UNSUPPORTED_MEDIA}.get(
+        error.status, Reason.BAD_REQUEST)
+    return Verdict(Outcome.INVALID, reason, pool, cls, error=error, enforced=True)
+
+
+def contended(verdict: Verdict) -> Verdict:
+    """Every reserve was refused: other gateways keep filling the room we saw. A 429."""
+    assert verdict.decision is not None
+    decision = dataclasses.replace(verdict.decision, outcome=Outcome.REJECT,
+                                   reason=Reason.DEADLINE, ceiling_ms=None)
+    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=Reason.DEADLINE,
+                               decision=decision)
 
 
 class Listener(Protocol):
