@@ -65,9 +65,9 @@ class Pricing:
         self.pending = 0  # exact counts waiting for or running on that thread
 
     @staticmethod
-    def ask_for(request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
-                text_tokens: int) -> Ask:
-        """The ask of a request whose texts are ``text_tokens`` long."""
+    def _priced_at(request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
+                   text_tokens: int) -> Ask:
+        """The request's ask with its texts priced at ``text_tokens``."""
         return Ask(cls, prompt_tokens(request, pool, text_tokens), request.max_tokens,
                    request.choices, deadline, request.prefill_only)
 
@@ -83,11 +83,11 @@ class Pricing:
             how = "counted" if missing else "cached"
             self.metrics.prompt_counts.labels(pool.name, how).inc()
             text = known + counter.count(missing)
-            return self.ask_for(request, pool, cls, deadline, text), None
+            return self._priced_at(request, pool, cls, deadline, text), None
         calibration = self.calibrations[pool.name]
         guess = calibration.estimate(chars)
-        estimated = self.ask_for(request, pool, cls, deadline, known + guess)
-        low, high = (self.ask_for(request, pool, cls, deadline,
+        estimated = self._priced_at(request, pool, cls, deadline, known + guess)
+        low, high = (self._priced_at(request, pool, cls, deadline,
                                   known + round(guess * (1.0 + m)))
                      for m in (-calibration.margin, calibration.margin))
         if not close(low, high):
@@ -105,7 +105,7 @@ class Pricing:
             self.metrics.fallthroughs.labels("count_wait").inc()
             return high, Uncounted(missing, chars, known, counting)
         calibration.learn(chars, tokens)
-        return self.ask_for(request, pool, cls, deadline, known + tokens), None
+        return self._priced_at(request, pool, cls, deadline, known + tokens), None
 
     def claim(self) -> bool:
         """A place on the counting thread for an exact count, if fewer than
