@@ -46,6 +46,10 @@ streams waiting to be dispatched, never looks quiet) or ``drain_grace_s`` has pa
 exits. A sample counts streams started since the last one, not only those open at the
 instant: a stream lives a few milliseconds, so at 40 requests a second most instants see
 none open, and 20 such instants in a row once ended a drain with traffic still flowing.
+
+Length: past the house's ~400 lines with the stream adapter (``Processor``) and the process
+around it (``Service``: listeners, health, metrics endpoint, sweeper, heartbeat, drain, and the
+builders of the gate's collaborators); the next split is ``Service`` and its builders.
 """
 
 from __future__ import annotations
