@@ -42,9 +42,10 @@ sys.path.insert(0, str(ROOT))
 from extproc import config  # noqa: E402
 from extproc.capacity import StaticCapacity  # noqa: E402
 from extproc.control import Control  # noqa: E402
-from extproc.gate import Gate, Ticket  # noqa: E402
+from extproc.gate import Gate  # noqa: E402
 from extproc.ledger.memory import MemoryLedger  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
+from extproc.verdict import Ticket  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 WORDS = ("please", "summarize", "the", "following", "clinical", "note", "and", "list", "each",
@@ -79,10 +80,10 @@ async def run(requests: int, every: int, concurrency: int, log_dir: str,
         "decision_log": str(Path(log_dir) / "decisions.jsonl")})
     capacity = StaticCapacity(cfg.pools)
     metrics = Metrics()
-    gate = Gate(cfg, MemoryLedger(), capacity, metrics)
-    gate.control = Control({p.name: cfg.autoscale.policy for p in cfg.pools}, capacity,
-                           metrics, classes=tuple(cfg.classes), window_s=cfg.autoscale.window_s)
-    counter: Any = gate._counters["llama"]
+    control = Control({p.name: cfg.autoscale.policy for p in cfg.pools}, capacity,
+                      metrics, classes=tuple(cfg.classes), window_s=cfg.autoscale.window_s)
+    gate = Gate(cfg, MemoryLedger(), capacity, metrics, listeners=(control,))
+    counter: Any = gate.pricing.counters["llama"]
     if cache_entries:
         counter.cache_entries = cache_entries
     route = cfg.route("/v1/chat/completions")
@@ -99,7 +100,7 @@ async def run(requests: int, every: int, concurrency: int, log_dir: str,
         while len(running) > concurrency:
             await gate.settle(running.popleft())
         if i % 1000 == 999:
-            gate.control.tick()
+            control.tick()
             await gate.sweep()  # what the server's sweeper does every sweep_interval_ms
             if gate.decision_log is not None:  # keep the disk bounded: the file is not the point
                 gate.decision_log.flush()

@@ -19,15 +19,12 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from extproc.admission import Outcome
 from extproc.autoscale import Recommendation, Recommender, ScalingPolicy, Window
 from extproc.capacity import CapacitySource
 from extproc.metrics import Metrics
-
-if TYPE_CHECKING:
-    from extproc.gate import Ticket, Verdict
+from extproc.verdict import Ticket, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +43,9 @@ class _Counts:
 
 
 class Control:
+    """The loop's counts and recommenders; the gate's listener (``extproc.verdict.Listener``):
+    it hears of every verdict (``decided``) and every settled ticket (``settled``)."""
+
     def __init__(self, pools: Mapping[str, ScalingPolicy], capacity: CapacitySource,
                  metrics: Metrics, *, classes: tuple[str, ...] = (), window_s: float = 15.0,
                  clock: Callable[[], float] = time.monotonic) -> None:

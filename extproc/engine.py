@@ -58,6 +58,9 @@ at least 70 GiB (``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024, block s
 ``LLAMA_8B_1XH100``: Llama-3.1-8B in BF16 on one H100 (design brief: 4.6 ms a token at 1,
 7.6 at 100 and 16.1 at 250 concurrent; 32 layers x 8 KV heads: 128 KiB a token, ~50 GB of
 cache: 24,000 blocks).
+
+Length: past the house's ~400 lines because the scheduler is one class that the simulator,
+the fake backend and the admission model share, and its rules change together.
 """
 
 from __future__ import annotations

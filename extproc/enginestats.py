@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -56,6 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.admission import Snapshot
 from extproc.capacity import cancel_all
+from extproc.config import Pool
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +193,25 @@ def correction(ledger: Snapshot, engines: PoolStats | None, *, fallback_request_
         return Correction()
     cost = ledger.outstanding_ms / ledger.inflight if ledger.inflight else fallback_request_ms
     return Correction(extra, extra * cost)
+
+
+def with_reported_kv(pool: Pool, engines: PoolStats | None,
+                     seen: dict[tuple[str, int, int], Pool]) -> Pool:
+    """The pool with the KV cache its engines report (``vllm:cache_config_info``, the
+    smallest fresh replica's) instead of the configured one: vLLM sizes its cache at start
+    from the memory left, so what it says beats what was written down. ``seen``: the pools
+    made so far, by (name, blocks, block size), so a decision makes none."""
+    if engines is None or engines.stale or engines.kv_blocks is None:
+        return pool
+    blocks, size = engines.kv_blocks
+    if (blocks, size) == (pool.engine.num_gpu_blocks, pool.engine.block_size):
+        return pool
+    key = (pool.name, blocks, size)
+    reported = seen.get(key)
+    if reported is None:
+        engine = dataclasses.replace(pool.engine, num_gpu_blocks=blocks, block_size=size)
+        reported = seen[key] = dataclasses.replace(pool, engine=engine)
+    return reported
 
 
 Targets = Callable[[str], Sequence[str]]

@@ -48,6 +48,9 @@ Choices made here, each matching what the server expects:
   operator's filters (e.g. jwt_authn) before ext_proc.
 - ``Topology.extproc_tls``: mTLS towards the processor (``tls`` in its config); a
   ``listen: unix:PATH`` processor is reached at a ``pipe`` address.
+
+Length: past the house's ~400 lines for one bootstrap document, one small function per
+Envoy resource, read top to bottom as the document reads.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from extproc.autoscale import Recommendation, Window
     from extproc.capacity import Replicas
     from extproc.enginestats import PoolStats
-    from extproc.gate import Verdict
     from extproc.learning import PoolLearning
+    from extproc.verdict import Verdict
 
 _WAIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.01, 0.025,

@@ -34,6 +34,7 @@ behind vLLM, does not; TGI wants ``application/json``).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,21 @@ def check_content_type(value: str | None) -> None:
         if name.strip() == "charset" and charset.strip().strip('"') not in ("utf-8", "utf8"):
             raise UnsupportedMedia("request bodies must be encoded in UTF-8",
                                    code="unsupported_media_type")
+
+
+def deadline_ms(headers: Mapping[str, str], header: str) -> float | None:
+    """The client's deadline header (``header``) in ms, if sent: it can only tighten the
+    class deadline. Raises ``BadRequest`` unless a positive, finite number."""
+    raw = headers.get(header)
+    if raw is None:
+        return None
+    try:
+        asked = float(raw)
+    except ValueError:
+        asked = float("nan")
+    if not asked > 0 or asked == float("inf"):
+        raise BadRequest(f"header {header} must be a positive number of milliseconds")
+    return asked
 
 
 def _load(body: bytes) -> Any:

@@ -24,6 +24,8 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from extproc.config import TracingConfig
+from extproc.share import priority_label
+from extproc.verdict import Verdict
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -105,3 +107,22 @@ class Tracing:
     def shutdown(self) -> None:
         if self._provider is not None:
             self._provider.shutdown()
+
+
+def annotate(span: DecisionSpan, verdict: Verdict, seconds: float, mode: str) -> None:
+    """The decision's explanation on its span: never prompt text."""
+    d = verdict.decision
+    span.set(**(verdict.trace or {}))
+    span.set(pool=verdict.pool, service_class=verdict.service_class, mode=mode,
+             outcome=verdict.outcome.value, reason=verdict.reason.value,
+             prompt_tokens=verdict.prompt_tokens or None,
+             output_tokens_charged=verdict.output_tokens or None,
+             decision_ms=round(seconds * 1000.0, 3))
+    if verdict.admission is not None:
+        span.set(priority=priority_label(verdict.admission.priority))
+    if verdict.tenant is not None:
+        span.set(tenant=verdict.tenant.label)
+    if d is not None:
+        span.set(wait_ms=d.wait_ms, ttft_ms=d.ttft_ms, completion_ms=d.completion_ms,
+                 budget_ms=d.budget_ms, service_ms=d.service_ms,
+                 retry_after_ms=d.retry_after_ms)

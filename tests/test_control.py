@@ -17,9 +17,9 @@ from extproc.capacity import StaticCapacity
 from extproc.config import Pool
 from extproc.control import Control
 from extproc.engine import EngineModel
-from extproc.gate import Ticket, Verdict
 from extproc.keda import metric_name
 from extproc.metrics import Metrics
+from extproc.verdict import Ticket, Verdict
 from tests.extproc_client import Stream, admit_one, body, chat, headers, serving
 
 

@@ -12,9 +12,10 @@ import pytest
 from extproc import config
 from extproc.capacity import StaticCapacity
 from extproc.estimate import Calibration, TokenizerCounter, prompt_tokens
-from extproc.gate import COUNT_WAIT_S, ESTIMATE_CHARS, MAX_PENDING_COUNTS, Gate
+from extproc.gate import Gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
+from extproc.pricing import COUNT_WAIT_S, ESTIMATE_CHARS, MAX_PENDING_COUNTS
 from extproc.request import parse
 from extproc.step import Ask, charge_of
 
@@ -174,7 +175,7 @@ async def test_a_close_decision_waits_a_bounded_time_then_decides_on_the_high_en
     assert route is not None
     busy = threading.Event()
     loop = asyncio.get_running_loop()
-    blocker = loop.run_in_executor(gate._counting, busy.wait, 5.0)
+    blocker = loop.run_in_executor(gate.pricing.counting, busy.wait, 5.0)
     started = loop.time()
     verdict = await gate.check(route, "/v1/chat/completions", {}, chat(text))
     waited = loop.time() - started
@@ -208,7 +209,7 @@ async def test_corrections_waiting_for_the_counting_thread_are_bounded(
     queued = [c for c in corrections if c is not None]
     assert len(queued) == MAX_PENDING_COUNTS  # the rest keep their estimate
     await asyncio.gather(*queued)
-    assert gate._pending_counts == 0
+    assert gate.pricing.pending == 0
     for v in verdicts:
         assert v.ticket is not None
         await gate.settle(v.ticket)

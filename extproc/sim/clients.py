@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from extproc.engine import Sequence
 from extproc.workload import Job
+
+
+class Host(Protocol):
+    """Where an attempt runs (``extproc.sim.engine.Replica``), as far as its client needs:
+    dropping it. The engine imports this module, never the other way round."""
+
+    def abort(self, a: Attempt, now: float) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ class Attempt(Sequence):
         self.ttft_objective_s = ttft_objective_s
         self.key = key
         self.outcome = ""
-        self.replica: Any = None  # the sim.engine.Replica it was sent to
+        self.replica: Host | None = None  # the replica it was sent to
         self.queued_at = -1.0
         self.started_at = -1.0
         self.first_token_at = -1.0

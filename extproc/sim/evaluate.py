@@ -47,6 +47,9 @@ policy, with each autoscaler of ``autoscaler.AUTOSCALERS`` between 1 and 3x the 
 replicas (starting at the fleet's), replicas ready ``AUTOSCALE_PROVISIONING_S`` after the ask
 (the incident keeps its own, compressed with its timeline); scored on goodput and
 replica-minutes together (good completions per replica-minute).
+
+Length: past the house's ~400 lines for the evaluation's whole pipeline, read in order:
+the cells, their runs and scores, tables, the plot and the autoscaling runs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,262 @@
+"""This gateway's entries in the ledger: kept alive while their requests run, released when
+they end, given back to the ledger after it was away. Every ledger call goes through ``call``.
+
+Leases follow the gateway's liveness, not the request's length. An entry's lease is short
+(``ledger.liveness_ms``, 3 s) and the heartbeat (``heartbeat``, every third of it, one ledger
+call per pool whatever the load) renews every entry whose request still runs here; a request
+that overruns its prediction keeps its entry for as long as it runs. A replica that dies stops
+beating, so its entries lapse within ``liveness_ms`` and the sweepers of the survivors remove
+them: a crash costs the fleet its requests' capacity for seconds, where a lease of expected
+finish + ``lease_grace_ms`` held it for half a minute. The price: a replica whose event loop
+stalls longer than ``liveness_ms`` loses its entries until its next beat records them again.
+
+The local view (``local``): per pool, the ledger's last snapshot plus this process's own
+admissions and minus its own completions since; the gate decides on it while the ledger is away
+(its fault policy, ``extproc.gate``).
+
+Renewals and releases never fail a request: a heartbeat that finds an entry gone (its lease
+lapsed during an outage, a failover lost it, it was never recorded) records it again, because
+the request is demonstrably still running; a release the ledger did not take is retried
+(release is idempotent by id), and the lease ends it anyway.
+
+Recovery is reconciled before it is used (``reconcile``): the first decision that finds the
+ledger answering again first applies the releases it missed and records the requests admitted
+without it, then reads the snapshot it decides on. Deciding first would count the outage's
+admissions nowhere and its completions still, and let a burst through on a ledger that shows
+less than is running; reconciled, in-flight exceeds the slots by at most what the outage
+admitted. An outage is logged once when it starts and once when it ends, never with request
+content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from extproc.admission import Snapshot
+from extproc.config import LedgerConfig, OnUnavailable
+from extproc.errors import LedgerUnavailable
+from extproc.ledger import Entry, Ledger
+from extproc.metrics import Metrics
+from extproc.verdict import Ticket
+
+# The gate's logs keep the logger they always had (``extproc.gate``): dashboards filter on it.
+log = logging.getLogger("extproc.gate")
+
+HEARTBEATS_PER_LEASE = 3  # a lease survives two lost heartbeats
+RECORD_BATCH = 32  # entries recorded again concurrently after the ledger lost them
+MAX_DEFERRED_RELEASES = 100_000  # beyond this, a lost release is left to its lease
+T = TypeVar("T")
+
+
+@dataclass
+class _View:
+    """One pool's local view: the ledger's last snapshot, plus this process's own admissions
+    and minus its own completions since. The decision's input while the ledger is away."""
+
+    base: Snapshot = field(default_factory=lambda: Snapshot(inflight=0, outstanding_ms=0.0))
+    inflight: int = 0
+    outstanding_ms: float = 0.0
+    kv_tokens: int = 0
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(inflight=max(0, self.base.inflight + self.inflight),
+                        outstanding_ms=max(0.0, self.base.outstanding_ms + self.outstanding_ms),
+                        kv_tokens=max(0, self.base.kv_tokens + self.kv_tokens))
+
+
+class Leases:
+    """The tickets running here, the local view, and what the ledger still owes or is owed."""
+
+    def __init__(self, ledger: Ledger, settings: LedgerConfig, metrics: Metrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ledger = ledger
+        self.settings = settings
+        self.metrics = metrics
+        self._clock = clock
+        self._views: dict[str, _View] = {}
+        self._deferred: dict[str, str] = {}  # request id -> pool: releases to retry
+        self._live: dict[str, Ticket] = {}  # request id -> ticket: what the heartbeat renews
+        self._unrecorded: set[str] = set()  # live tickets admitted while the ledger was away
+        self._reconciling = asyncio.Lock()
+        self._unreachable = False  # the last ledger call failed
+        self._stale = False  # the ledger came back and our entries are not renewed yet
+        self._back_at = -math.inf  # the gate's clock when the ledger last came back
+        self._down_since: float | None = None  # the ledger has been unavailable since
+        self._down_decisions = 0
+
+    async def call(self, op: str, call: Awaitable[T]) -> T:
+        """One ledger call, timed; a failure is counted and re-raised. The first success
+        after a failure marks the ledger as back (``reconcile``, ``expire``)."""
+        started = time.perf_counter()
+        try:
+            result = await call
+        except LedgerUnavailable:
+            self.metrics.ledger_errors.labels(op).inc()
+            self._unreachable = True
+            raise
+        else:
+            if self._unreachable:
+                self._unreachable = False
+                self._stale = True
+                self._back_at = self._clock()
+            return result
+        finally:
+            self.metrics.ledger_seconds.labels(op).observe(time.perf_counter() - started)
+
+    def local(self, pool: str) -> Snapshot:
+        """The pool's local view (module docstring)."""
+        return self._views.get(pool, _View()).snapshot()
+
+    def saw(self, pool: str, snapshot: Snapshot) -> None:
+        """The ledger answered with the pool's snapshot: the local view starts from it."""
+        self._views[pool] = _View(snapshot)
+        if self._down_since is not None:
+            log.warning("ledger available again after %.1f s; %d decisions were made without"
+                        " it", time.monotonic() - self._down_since, self._down_decisions)
+            self._down_since = None
+            self._down_decisions = 0
+
+    def away(self, exc: Exception, on_unavailable: OnUnavailable) -> None:
+        """A decision found the ledger unavailable (``exc``; a timeout when the decision's
+        deadline cut a call short): logged once per outage, with how it decides meanwhile."""
+        self._unreachable = True
+        self._down_decisions += 1
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            why = str(exc) or (f"no answer within decision_deadline_ms"
+                               f" ({self.settings.decision_deadline_ms:g} ms)")
+            log.warning("ledger unavailable: deciding %s until it answers again (%s)",
+                        on_unavailable.value, why)
+
+    def hold(self, ticket: Ticket) -> None:
+        """A ticket that runs here from now on: renewed by the heartbeat, in the local view."""
+        self._live[ticket.request_id] = ticket
+        if not ticket.recorded:
+            self._unrecorded.add(ticket.request_id)
+        view = self._views.setdefault(ticket.pool, _View())
+        view.inflight += 1
+        view.outstanding_ms += ticket.cost_ms
+        view.kv_tokens += ticket.kv_tokens
+        self.metrics.inflight(ticket.pool, +1)
+
+    async def recharge(self, ticket: Ticket, cost_ms: float, kv_tokens: int) -> None:
+        """Charge a running ticket's entry ``cost_ms`` and ``kv_tokens`` instead. One ledger
+        call: if the ledger does not answer, the old charge stays on the entry (the heartbeat
+        re-records a lost entry at the new one)."""
+        view = self._views.get(ticket.pool)
+        if view is not None:
+            view.outstanding_ms += cost_ms - ticket.cost_ms
+            view.kv_tokens += kv_tokens - ticket.kv_tokens
+        ticket.cost_ms, ticket.kv_tokens = cost_ms, kv_tokens
+        with contextlib.suppress(LedgerUnavailable):
+            await self.call("adjust", self.ledger.adjust(ticket.request_id, ticket.pool,
+                                                         cost_ms, kv_tokens))
+
+    def drop(self, ticket: Ticket) -> None:
+        """The ticket's request ended: the heartbeat stops renewing it."""
+        self._live.pop(ticket.request_id, None)
+        self._unrecorded.discard(ticket.request_id)
+
+    async def release(self, ticket: Ticket) -> None:
+        """Release the ticket's entry; deferred to the next reconcile if the ledger does not
+        take it."""
+        self.metrics.inflight(ticket.pool, -1)
+        view = self._views.get(ticket.pool)
+        if view is not None:
+            view.inflight -= 1
+            view.outstanding_ms -= ticket.cost_ms
+            view.kv_tokens -= ticket.kv_tokens
+        try:
+            await self.call("release", self.ledger.release(ticket.request_id, ticket.pool))
+        except LedgerUnavailable:
+            self.defer_release(ticket.request_id, ticket.pool)
+
+    def defer_release(self, request_id: str, pool: str) -> None:
+        """Release the entry at the next reconcile (one that may have been recorded)."""
+        if len(self._deferred) < MAX_DEFERRED_RELEASES:
+            self._deferred[request_id] = pool
+
+    async def heartbeat(self) -> None:
+        """Renew the entries of every request running here, one ledger call per pool, and
+        record again those the ledger lost (module docstring). Raises ``LedgerUnavailable``;
+        the next beat retries."""
+        pools: dict[str, list[str]] = {}
+        for rid, ticket in self._live.items():
+            pools.setdefault(ticket.pool, []).append(rid)
+        lease_ms = self.settings.liveness_ms
+        for pool, ids in pools.items():
+            missing = set(await self.call("heartbeat",
+                                          self.ledger.heartbeat(pool, ids, lease_ms)))
+            lost = []
+            for rid in ids:
+                live = self._live.get(rid)
+                if live is None:
+                    continue
+                if rid not in missing:
+                    self._recorded(live)
+                else:
+                    lost.append(live)
+            await self._record_all(lost)
+
+    async def _record_all(self, tickets: Sequence[Ticket]) -> None:
+        """Record many at once, ``RECORD_BATCH`` calls in flight (after a Redis restart every
+        running request is lost: one at a time would keep the first decisions waiting)."""
+        for i in range(0, len(tickets), RECORD_BATCH):
+            await asyncio.gather(*(self._record(t) for t in tickets[i:i + RECORD_BATCH]))
+
+    async def _record(self, ticket: Ticket) -> None:
+        """Record a running request's entry again (no ceiling: it runs whatever the ledger
+        holds). A release that raced with it is applied again afterwards."""
+        await self.call("reserve", self.ledger.reserve(Entry(
+            ticket.request_id, ticket.pool, ticket.cost_ms, self.settings.liveness_ms,
+            ticket.kv_tokens, ticket.groups)))
+        self._recorded(ticket)
+        if ticket.settled:  # it ended while we recorded it: its release may have come first
+            await self.call("release", self.ledger.release(ticket.request_id, ticket.pool))
+
+    def _recorded(self, ticket: Ticket) -> None:
+        ticket.recorded = True
+        self._unrecorded.discard(ticket.request_id)
+
+    def owed(self) -> bool:
+        """Releases the ledger missed, requests admitted without it, or (the ledger was
+        away) entries whose leases may have lapsed meanwhile are waiting. O(1): every
+        decision asks."""
+        return self._stale or bool(self._deferred) or bool(self._unrecorded)
+
+    async def reconcile(self) -> None:
+        """Give the ledger what it missed while away: the releases first (they free room),
+        then the requests admitted meanwhile. One caller at a time; the others wait for it
+        and find nothing left to do. Raises ``LedgerUnavailable``; what was done stays done."""
+        async with self._reconciling:
+            for request_id, pool in list(self._deferred.items()):
+                await self.call("release", self.ledger.release(request_id, pool))
+                self._deferred.pop(request_id, None)
+            if self._stale:  # an outage longer than a lease: every entry may have lapsed
+                self._stale = False
+                try:
+                    await self.heartbeat()  # renews ours, records the lapsed and the unrecorded
+                except BaseException:
+                    self._stale = True
+                    raise
+            await self._record_all([self._live[rid] for rid in list(self._unrecorded)
+                                    if rid in self._live])
+
+    async def expire(self) -> int:
+        """Retry releases the ledger did not take, then expire entries whose lease ended (the
+        backstop for lost streams). Raises ``LedgerUnavailable``; the next sweep retries."""
+        if self.owed():
+            await self.reconcile()
+        if self._clock() - self._back_at < self.settings.liveness_ms / 1000.0:
+            # The ledger was away until moments ago: every gateway's leases ran on while none
+            # could renew them. Expiring now would reclaim requests still running behind
+            # gateways that have not beaten yet; one lease from now all living ones have.
+            return 0
+        return await self.call("expire", self.ledger.expire())

@@ -1,0 +1,130 @@
+"""Pricing a request: its prompt counted, or estimated and counted exactly afterwards.
+
+Texts counted before cost a lookup (``TokenizerCounter``'s cache: a chat turn pays only for its
+new message). New text up to ``ESTIMATE_CHARS`` is counted on the event loop (about 2.5 ms at
+the limit). Longer new text (a long prompt never seen: 8,000 tokens take ~20 ms to count) is
+priced by the pool's ``Calibration`` instead, and the decision is taken at once when it comes
+out the same at the estimate's low and high ends (``margin``) on the local view of the ledger
+(the gate says whether it does: ``close``); only a close decision waits for the exact count, on
+the counting thread (``encode_batch_fast`` releases the GIL), and for at most ``COUNT_WAIT_S``:
+a thread behind on a burst of long cold prompts would otherwise hold decisions past Envoy's
+message timeout (which forwards the request unchecked when fail-open). Past it the decision is
+taken on the estimate's high end, the conservative one, and counted
+(``extproc_decision_fallthroughs_total{kind="count_wait"}``).
+
+An admission made on an estimate is counted exactly on that thread afterwards (``count``), and
+the gate sets its ledger entry's charge to the exact cost, so the ledger ends exact; the
+calibration learns from every exact count. One thread: on a small machine a pool of tokenizing
+threads starves the loop that answers Envoy. That thread counts ~45 prompts of 8,000 tokens a
+second; when long cold prompts come faster, at most ``MAX_PENDING_COUNTS`` exact counts wait
+for it (``claim``) and the others keep their estimate (the calibration has learned from the
+counted ones), so neither memory nor a close decision's wait for the thread grows with the
+backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from extproc.config import Config, Pool
+from extproc.errors import RequestError
+from extproc.estimate import Calibration, TokenCounter, counter_for, prompt_tokens
+from extproc.metrics import Metrics
+from extproc.request import InferenceRequest
+from extproc.step import Ask
+
+ESTIMATE_CHARS = 8 * 1024  # new prompt text longer than this is estimated (docstring)
+MAX_PENDING_COUNTS = 8  # exact counts queued for the counting thread; beyond, estimates stay
+COUNT_WAIT_S = 0.25  # the most a close decision waits for its exact count (docstring)
+
+
+@dataclass(frozen=True)
+class Uncounted:
+    """Prompt text a decision priced by estimate: what its exact count is still owed on."""
+
+    texts: list[str] = field(repr=False)
+    chars: int
+    known: int  # tokens of the request's texts counted before
+    counting: asyncio.Future[int] | None = field(default=None, repr=False)  # already begun
+
+
+class Pricing:
+    """Each pool's token counter and calibration, and the one counting thread."""
+
+    def __init__(self, config: Config, metrics: Metrics,
+                 counters: Mapping[str, TokenCounter] | None = None) -> None:
+        self.metrics = metrics
+        self.counters = dict(counters) if counters is not None else {
+            p.name: counter_for(p) for p in config.pools
+        }
+        self.calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
+        self.counting = concurrent.futures.ThreadPoolExecutor(1, "extproc-count")
+        self.pending = 0  # exact counts waiting for or running on that thread
+
+    @staticmethod
+    def _priced_at(request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
+                   text_tokens: int) -> Ask:
+        """The request's ask with its texts priced at ``text_tokens``."""
+        return Ask(cls, prompt_tokens(request, pool, text_tokens), request.max_tokens,
+                   request.choices, deadline, request.prefill_only)
+
+    async def ask(self, request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
+                  close: Callable[[Ask, Ask], bool]) -> tuple[Ask, Uncounted | None]:
+        """The request's ask, its prompt counted exactly or (long new text, and ``close`` says
+        the decision is not close at the estimate's two ends) estimated; then also what is
+        still to count (module docstring)."""
+        counter = self.counters[pool.name]
+        known, missing = counter.cached(request.texts)
+        chars = sum(len(t) for t in missing)
+        if not missing or not counter.exact or chars <= ESTIMATE_CHARS:
+            how = "counted" if missing else "cached"
+            self.metrics.prompt_counts.labels(pool.name, how).inc()
+            text = known + counter.count(missing)
+            return self._priced_at(request, pool, cls, deadline, text), None
+        calibration = self.calibrations[pool.name]
+        guess = calibration.estimate(chars)
+        estimated = self._priced_at(request, pool, cls, deadline, known + guess)
+        low, high = (self._priced_at(request, pool, cls, deadline,
+                                  known + round(guess * (1.0 + m)))
+                     for m in (-calibration.margin, calibration.margin))
+        if not close(low, high):
+            self.metrics.prompt_counts.labels(pool.name, "estimated").inc()
+            return estimated, Uncounted(missing, chars, known)
+        self.metrics.prompt_counts.labels(pool.name, "awaited").inc()
+        counting = asyncio.get_running_loop().run_in_executor(
+            self.counting, counter.count, missing)
+        try:
+            tokens = await asyncio.wait_for(asyncio.shield(counting), COUNT_WAIT_S)
+        except TimeoutError:
+            # The counting thread is behind (long cold prompts arriving faster than it counts):
+            # decide now on the estimate's high end, the conservative one; the count corrects
+            # the ledger when it comes, as for an estimated prompt.
+            self.metrics.fallthroughs.labels("count_wait").inc()
+            return high, Uncounted(missing, chars, known, counting)
+        calibration.learn(chars, tokens)
+        return self._priced_at(request, pool, cls, deadline, known + tokens), None
+
+    def claim(self) -> bool:
+        """A place on the counting thread for an exact count, if fewer than
+        ``MAX_PENDING_COUNTS`` hold one; ``count`` gives it back."""
+        if self.pending >= MAX_PENDING_COUNTS:
+            return False
+        self.pending += 1
+        return True
+
+    async def count(self, pool: str, uncounted: Uncounted) -> int | None:
+        """The exact token count of the texts priced by estimate, off the event loop (None:
+        they cannot be tokenized, the estimate stands); the calibration learns from it. Gives
+        back the place ``claim`` took."""
+        try:
+            tokens = await (uncounted.counting or asyncio.get_running_loop().run_in_executor(
+                self.counting, self.counters[pool].count, uncounted.texts))
+        except RequestError:
+            return None
+        finally:
+            self.pending -= 1
+        self.calibrations[pool].learn(uncounted.chars, tokens)
+        return tokens

@@ -1,0 +1,106 @@
+"""What the gate answers and what it hands out: the result types, and who hears of them.
+
+- ``Verdict``: one request's answer (``Gate.check``), what the server maps to Envoy's
+  (``extproc.responses``), metrics count and the autoscaling loop reads;
+- ``Ticket``: a request that will reach the backend holds one for its ledger entry, settled
+  exactly once when its stream ends (``Gate.settle``), the shape of a reserve-then-release;
+- ``invalid``, ``contended``: the verdicts made without a decision of the step's;
+- ``Listener``: what hears of every verdict and every settled ticket (``extproc.control``);
+  the gate takes its listeners at construction, none by default.
+
+A leaf: it imports only the domain's types, so the gate, metrics, the autoscaling loop and the
+server can all name these without importing each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from extproc.admission import Decision, Outcome, Reason
+from extproc.decisionlog import Pending
+from extproc.errors import RequestError
+from extproc.step import Admission
+from extproc.tenant import Tenant
+
+
+@dataclass
+class Ticket:
+    """A reserved ledger entry; ``Gate.settle`` must be called exactly once for it."""
+
+    request_id: str
+    pool: str
+    service_class: str
+    lease_ms: float
+    cost_ms: float = 0.0  # its ledger charge
+    kv_tokens: int = 0  # the KV tokens its ledger entry holds
+    groups: tuple[str, ...] = ()  # ... and the groups it counts in (priority, tenant)
+    recorded: bool = True  # False when admitted while the ledger was unavailable
+    settled: bool = False  # set by ``Gate.settle``: the heartbeat stops renewing it
+    # its exact count, when it was admitted on an estimate (``Gate._recount``)
+    correction: asyncio.Task[None] | None = field(default=None, repr=False)
+    log: Pending | None = field(default=None, repr=False)  # its decision log line
+    started: float = 0.0  # the gate's clock at admission
+    deadline_s: float = math.inf  # its deadline (the promise's feedback)
+    batch: bool = False  # its class is a batch class
+    unavoidable: float = 0.0  # the step's: chance it misses even alone
+    ttft_ms: float = 0.0  # its decision's predicted first token ...
+    step_ms: float = 0.0  # ... and decode step (its class's lengths learn from them)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One request's answer: its ``outcome`` and ``reason`` (the metric labels), what was
+    decided and on what (``decision``, ``admission``: None when it was refused or passed
+    before a decision), and the ``ticket`` of a request that will reach the backend.
+
+    ``enforced`` is False in shadow mode: a rejected request continues all the same, so only
+    ``blocks`` says whether the server answers in the backend's place."""
+
+    outcome: Outcome
+    reason: Reason
+    pool: str | None = None
+    service_class: str | None = None
+    decision: Decision | None = None
+    error: RequestError | None = None
+    ticket: Ticket | None = None
+    enforced: bool = True  # False in shadow mode: the request continues whatever the outcome
+    prompt_tokens: int = 0
+    output_tokens: int = 0  # output charged
+    trace: Mapping[str, Any] | None = None  # span attributes known only here (when tracing)
+    tenant: Tenant | None = None  # who is charged (extproc.tenant); None: attribution off
+    admission: Admission | None = None  # the step's answer, when it decided
+
+    @property
+    def blocks(self) -> bool:
+        """True when the request must be answered by us instead of reaching the backend."""
+        return self.enforced and self.outcome in (Outcome.REJECT, Outcome.INVALID, Outcome.ERROR)
+
+
+def invalid(error: RequestError, pool: str | None, cls: str) -> Verdict:
+    """A request refused for what it is (unparseable, too large, not JSON): a 4xx."""
+    reason = {413: Reason.BODY_TOO_LARGE, 415: Reason.UNSUPPORTED_MEDIA}.get(
+        error.status, Reason.BAD_REQUEST)
+    return Verdict(Outcome.INVALID, reason, pool, cls, error=error, enforced=True)
+
+
+def contended(verdict: Verdict) -> Verdict:
+    """Every reserve was refused: other gateways keep filling the room we saw. A 429."""
+    assert verdict.decision is not None
+    decision = dataclasses.replace(verdict.decision, outcome=Outcome.REJECT,
+                                   reason=Reason.DEADLINE, ceiling_ms=None)
+    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=Reason.DEADLINE,
+                               decision=decision)
+
+
+class Listener(Protocol):
+    """Hears of every decision (after metrics counted it) and of every settled ticket (after
+    the pool's learning heard of it). Called on the event loop: it must not block."""
+
+    def decided(self, verdict: Verdict) -> None: ...
+
+    def settled(self, ticket: Ticket, completed: bool) -> None: ...
