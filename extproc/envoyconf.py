@@ -33,8 +33,9 @@ Choices made here, each matching what the server expects:
   arriving by then has missed it anyway.
 - ``forward_rules`` (``_forward_rules``): the sidecar is sent only the request headers it
   reads (path, method, the content headers, the deadline header, trace context, the tenant
-  header when that is the tenant's source, the priority header when one is configured). Clients' ``Authorization``, API keys and cookies
-  reach the backend as before, never the processor, its logs or its memory.
+  header when that is the tenant's source, the priority header when one is configured).
+  Clients' ``Authorization``, API keys and cookies reach the backend as before, never the
+  processor, its logs or its memory.
 - Overload manager: a global limit on downstream connections (``MAX_DOWNSTREAM_CONNECTIONS``),
   without which Envoy 1.40 warns at start that none is configured. Set high: admission, not
   connection counting, is how this gateway sheds load; the limit guards file descriptors.
