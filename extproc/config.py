@@ -155,7 +155,7 @@ class LedgerConfig:
 
     kind: str = "memory"
     lease_grace_ms: float = 30_000.0  # the simulator's lease past a request's expected finish
-    # A gateway's entries outlive its last heartbeat by this much (extproc.gate): a replica
+    # A gateway's entries outlive its last heartbeat by this much (extproc.leases): a replica
     # that dies costs the fleet its requests' capacity for about this long, not a minute.
     liveness_ms: float = 3_000.0
     sweep_interval_ms: float = 1_000.0

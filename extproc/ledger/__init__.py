@@ -27,7 +27,7 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 
 Leases are measured by the ledger's own clock, never the caller's. The gateway gives each
 entry a short lease (``ledger.liveness_ms``) and renews its live entries by heartbeat, so the
-entries of a replica that died lapse within seconds (``extproc.gate``).
+entries of a replica that died lapse within seconds (``extproc.leases``).
 """
 
 from __future__ import annotations
