@@ -34,6 +34,9 @@ What becomes of a request, beyond ``decide``:
   and only if a typical request of each interactive class the pool serves, arriving after it
   and after the reserve, would still be admitted: batch work takes only the capacity the
   interactive classes do not need for their objectives, slots and step time alike;
+- **priorities, fair shares and tenant caps** (``extproc.contention``): a tenant at a hard cap
+  is refused; an admitted request of a lower priority, or of a tenant over its share of a
+  contended pool, must still fit after the room kept for the traffic it must not crowd out;
 - every request that runs is recorded, with a lease of its predicted completion plus
   ``ledger.lease_grace_ms``, and reserved against the decision's ceiling less the engines'
   correction (work the ledger does not know about must not widen the room other gateways get).
@@ -45,6 +48,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from extproc import contention
 from extproc.admission import (
     Capacity,
     Cost,
@@ -61,16 +65,7 @@ from extproc.errors import BadRequest, RequestError
 from extproc.learning import PoolLearning, Running
 from extproc.ledger import Cap
 from extproc.lengths import PRIOR_SAMPLES
-from extproc.share import (
-    RESERVE_Z,
-    level_of,
-    over_share,
-    priority_group,
-    reserve,
-    tenant_group,
-    tenant_of,
-    water_level,
-)
+from extproc.share import priority_group, tenant_group
 
 NO_CORRECTION = Correction()
 
@@ -250,12 +245,13 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         if crowded is not None:
             decision, outcome = crowded, crowded.outcome
             reason = reason if reason is Reason.INFEASIBLE else crowded.reason
-    caps = _caps(ask, config)
+    caps = contention.caps(ask.tenant, config)
     if outcome in (Outcome.ADMIT, Outcome.PASS):
-        changed = _at_cap(caps, decision, snapshot)
+        changed = contention.at_cap(caps, decision, snapshot)
         if changed is None and outcome is Outcome.ADMIT:
-            changed = _room_for_others(ask, cost, decision, policy, config, learning, snapshot,
-                                       capacity, share, now)
+            changed = contention.room_for_others(ask.tenant, ask.priority, cost, decision,
+                                                 policy, config, learning, snapshot, capacity,
+                                                 share, now)
         if changed is not None:
             decision, outcome, reason = changed, changed.outcome, changed.reason
     runs = outcome in (Outcome.ADMIT, Outcome.PASS)
@@ -343,132 +339,3 @@ def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLe
         return 0.0
     return learning.lengths_for(policy_class).survival(max(0.0, longest))
 
-
-def _caps(ask: Ask, config: Config) -> tuple[Cap, ...]:
-    """Its tenant's hard caps (``tenant.tenants.<name>`` or ``tenant.others``)."""
-    if ask.tenant is None:
-        return ()
-    policy = config.tenant.policy(ask.tenant)
-    if policy.max_inflight is None and policy.max_outstanding_s is None:
-        return ()
-    most_ms = None if policy.max_outstanding_s is None else policy.max_outstanding_s * 1000.0
-    return (Cap(tenant_group(ask.tenant), policy.max_inflight, most_ms),)
-
-
-def _at_cap(caps: tuple[Cap, ...], decision: Decision, snapshot: Snapshot) -> Decision | None:
-    """A refusal (``TENANT_CAP``) when the ledger's snapshot already puts the tenant at a cap;
-    the reserve checks the same caps atomically. Retry when one of its requests has ended."""
-    for cap in caps:
-        n, work = snapshot.groups.get(cap.group, (0, 0.0))
-        if ((cap.max_inflight is not None and n + 1 > cap.max_inflight)
-                or (cap.max_ms is not None and work + decision.service_ms > cap.max_ms)):
-            return dataclasses.replace(
-                decision, outcome=Outcome.REJECT, reason=Reason.TENANT_CAP, ceiling_ms=None,
-                max_inflight=None,
-                retry_after_ms=max(1.0, decision.completion_ms / max(n, 1)))
-    return None
-
-
-def _room_for_others(ask: Ask, cost: Cost, decision: Decision, policy: Policy, config: Config,
-                     learning: PoolLearning, snapshot: Snapshot, capacity: Capacity,
-                     share: float, now: float) -> Decision | None:
-    """Priorities and fair shares (``extproc.share``): an admitted request must also fit after
-    the room kept for the traffic it must not crowd out, expected while it runs: every
-    higher priority's, and, when its tenant is over its share of a contended pool, the
-    tenants' under theirs. Returns the refusal (``PRIORITY`` or ``FAIR_SHARE``), the decision
-    with its ledger checks tightened by that room, or None when nothing is kept."""
-    n = snapshot.inflight
-    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
-    protected = [g for g in learning.flows
-                 if (level := level_of(g)) is not None and level > ask.priority]
-    over = False
-    several = ask.tenant is not None and config.tenant.fair_share and sum(
-        1 for g in learning.flows if tenant_of(g) is not None) > 1
-    if not protected and not several:
-        return None
-    limit = _limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
-    swing = learning.limit.add(limit)
-    if several:
-        assert ask.tenant is not None
-        # Each tenant's demand: its outstanding work, or what its arrivals keep in flight
-        # (Little's law), whichever is more: a tenant crowded out still wants its share.
-        weights = config.tenant.policy
-        demands = {t: (work, weights(t).weight) for g, (_, work) in snapshot.groups.items()
-                   if (t := tenant_of(g)) is not None}
-        for g, flow in learning.flows.items():
-            if (t := tenant_of(g)) is not None:
-                steady = flow.rate(now) / share * flow.duration_s * mean_ms
-                demands[t] = (max(demands.get(t, (0.0, 0.0))[0], steady), weights(t).weight)
-        _, mine = snapshot.groups.get(tenant_group(ask.tenant), (0, 0.0))
-        demands[ask.tenant] = (mine + decision.service_ms, weights(ask.tenant).weight)
-        room = limit * mean_ms
-        over = over_share(ask.tenant, demands, room)
-        if over:
-            fair = water_level(demands, room)  # the tenants holding less are protected
-            protected += [g for g in learning.flows
-                          if (t := tenant_of(g)) is not None and t != ask.tenant
-                          and snapshot.groups.get(g, (0, 0.0))[1] / weights(t).weight < fair]
-    if not protected:
-        return None
-    horizon_s = decision.completion_ms / 1000.0
-    rate = sum(learning.flows[g].rate(now, RESERVE_Z) for g in protected) / share
-    # Departures near the limit: the requests the pool holds there over the mean time in
-    # flight of the requests arriving.
-    levels = [f for g, f in learning.flows.items() if level_of(g) is not None]
-    arriving = sum(f.rate(now) for f in levels)
-    held_s = (sum(f.rate(now) * (f.duration_s or horizon_s) for f in levels) / arriving
-              if arriving > 0 else horizon_s)
-    departures = max(limit, n) / held_s if held_s > 0 else math.inf
-    # The limit a protected request meets is not the one this request met: it moves with
-    # the traffic's mix from one arrival to the next, and with each request's own size. The
-    # reserve covers two of its measured standard deviations too.
-    kept = math.ceil(reserve(rate, departures, horizon_s) + RESERVE_Z * swing - 1e-9)
-    if kept <= 0:
-        return None
-    mean_kv = snapshot.kv_tokens / n if n else cost.kv
-    ahead = dataclasses.replace(snapshot, inflight=n + kept,
-                                outstanding_ms=snapshot.outstanding_ms + kept * mean_ms,
-                                kv_tokens=round(snapshot.kv_tokens + kept * mean_kv))
-    seen = decide(cost, ahead, capacity, policy, now)
-    if not seen.admitted:
-        return dataclasses.replace(
-            seen, outcome=Outcome.REJECT,
-            reason=Reason.FAIR_SHARE if over else Reason.PRIORITY,
-            retry_after_ms=max(1.0, seen.retry_after_ms or 0.0))
-    assert seen.ceiling_ms is not None and seen.max_inflight is not None
-    assert decision.ceiling_ms is not None and decision.max_inflight is not None
-    return dataclasses.replace(
-        decision, ceiling_ms=min(decision.ceiling_ms, seen.ceiling_ms - kept * mean_ms),
-        max_inflight=min(decision.max_inflight, seen.max_inflight - kept))
-
-
-def _limit(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy, now: float,
-           hint: float | None = None) -> int:
-    """The most requests the pool holds while one like this is still admitted: its work at
-    that level is what tenants share (the slots overstate it wherever the deadline binds
-    first, and the KV cache where it binds). Found by search on the in-flight count (the
-    requests in flight kept at their mean work and KV) from ``hint``, the limit recent
-    requests met: a few decisions, not a bisection from nothing."""
-    n = snapshot.inflight
-    mean_ms = snapshot.outstanding_ms / n if n else capacity.charge_ms(cost)
-    mean_kv = snapshot.kv_tokens / n if n else cost.kv
-
-    def fits(count: int) -> bool:
-        at = dataclasses.replace(snapshot, inflight=count, outstanding_ms=count * mean_ms,
-                                 kv_tokens=round(count * mean_kv))
-        return decide(cost, at, capacity, policy, now).admitted
-
-    low = n  # it fits here: it was admitted at n
-    start = max(n + 1, round(hint)) if hint is not None else n + 1
-    if start > n + 1 and not fits(start - 1):
-        high = start - 1  # the limit is below the hint
-    else:
-        low = max(low, start - 1)
-        step = 1
-        while fits(low + step) and step < 1 << 20:
-            low, step = low + step, step * 2
-        high = low + step
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return max(1, low + 1)

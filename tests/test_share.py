@@ -230,7 +230,8 @@ def test_the_limit_s_spread_is_measured_not_assumed() -> None:
 @pytest.mark.parametrize("n", [0, 5, 40, 120])
 def test_the_admission_limit_is_found_from_any_hint(n: int) -> None:
     from extproc.admission import Cost
-    from extproc.step import _limit, capacity_for, class_policy
+    from extproc.contention import admission_limit
+    from extproc.step import capacity_for, class_policy
 
     config = settings()
     pool = config.pools[0]
@@ -238,7 +239,7 @@ def test_the_admission_limit_is_found_from_any_hint(n: int) -> None:
     cost = Cost(800, 256, 200.0, 400.0)
     snapshot = Snapshot(n, n * 900.0, n * 1200)
     policy = class_policy(config, "latency", None)
-    exact = _limit(cost, snapshot, capacity, policy, 0.0)
+    exact = admission_limit(cost, snapshot, capacity, policy, 0.0)
     assert exact > 1
     for hint in (None, 1.0, exact - 3.0, float(exact), exact + 1.0, exact * 10.0):
-        assert _limit(cost, snapshot, capacity, policy, 0.0, hint) == exact, hint
+        assert admission_limit(cost, snapshot, capacity, policy, 0.0, hint) == exact, hint
