@@ -63,8 +63,9 @@ async def test_pools_spread_over_the_nodes_each_pool_in_one_slot(
 
 async def test_every_node_that_lost_its_scripts_gets_them_again(
         cluster: RedisClusterNodes) -> None:
-    source = (Path(__file__).parent.parent / "extproc/ledger/reserve.lua").read_bytes()
-    sha = hashlib.sha1(source).hexdigest()
+    scripts = Path(__file__).parent.parent / "extproc/ledger"
+    source = (scripts / "entries.lua").read_bytes() + (scripts / "reserve.lua").read_bytes()
+    sha = hashlib.sha1(source).hexdigest()  # as sent: the shared helpers, then the script
     for node in cluster.nodes:
         node.client().script_flush()
     ledger = make(cluster, "flushed")

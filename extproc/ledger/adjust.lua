@@ -11,13 +11,6 @@
 -- Returns 1 when adjusted, 0 when the entry is not there (never re-creates one).
 -- The total moves by (new - old), computed as in the in-process ledger: (total - old) + new;
 -- so does the work of each of the entry's groups.
-local function split(v)  -- "cost kv group..." (kv and groups may be absent): cost, kv, groups
-  local parts = {}
-  for w in string.gmatch(v, '%S+') do parts[#parts + 1] = w end
-  local groups = {}
-  for i = 3, #parts do groups[#groups + 1] = parts[i] end
-  return tonumber(parts[1]), tonumber(parts[2] or '0'), groups
-end
 local value = redis.call('HGET', KEYS[1], ARGV[1])
 if not value then
   return 0
@@ -31,10 +24,10 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. string.format('%d', new_k
 for _, g in ipairs(groups) do
   local v = redis.call('HGET', KEYS[4], g)
   if v then
-    local sep = string.find(v, ' ', 1, true)
-    local work = tonumber(string.sub(v, sep + 1)) - old + tonumber(ARGV[2])
+    local n, work = counted(v)
+    work = work - old + tonumber(ARGV[2])
     if work < 0 then work = 0 end
-    redis.call('HSET', KEYS[4], g, string.sub(v, 1, sep - 1) .. ' ' .. string.format('%.17g', work))
+    redis.call('HSET', KEYS[4], g, string.format('%d %.17g', n, work))
   end
 end
 local total = tonumber(redis.call('GET', KEYS[2]) or '0') - old + tonumber(ARGV[2])

@@ -9,29 +9,6 @@
 -- KEYS[5]  groups  hash: group -> "count work" of the entries counted in it
 -- ARGV[1]  most entries to drop
 -- Returns the number dropped.
-local function split(v)  -- "cost kv group..." (kv and groups may be absent): cost, kv, groups
-  local parts = {}
-  for w in string.gmatch(v, '%S+') do parts[#parts + 1] = w end
-  local groups = {}
-  for i = 3, #parts do groups[#groups + 1] = parts[i] end
-  return tonumber(parts[1]), tonumber(parts[2] or '0'), groups
-end
-local function uncount(key, groups, cost)  -- one entry of cost leaves its groups
-  for _, g in ipairs(groups) do
-    local v = redis.call('HGET', key, g)
-    if v then
-      local sep = string.find(v, ' ', 1, true)
-      local n = tonumber(string.sub(v, 1, sep - 1)) - 1
-      if n <= 0 then
-        redis.call('HDEL', key, g)
-      else
-        local work = tonumber(string.sub(v, sep + 1)) - cost
-        if work < 0 then work = 0 end
-        redis.call('HSET', key, g, string.format('%d %.17g', n, work))
-      end
-    end
-  end
-end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%.17g', now),

@@ -11,7 +11,8 @@ every script touches a single slot (never CROSSSLOT)::
     <prefix>:{<pool>}:kv       string      sum of the KV tokens the entries will hold
     <prefix>:{<pool>}:groups   hash        group -> "count work" (a priority or tenant's entries)
 
-Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header):
+Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header, sent
+with the helpers of ``entries.lua`` in front):
 ``reserve`` checks the ceiling and records in one atomic step, ``release`` removes exactly once,
 ``renew`` moves a lease end, ``heartbeat`` moves many (a replica's live entries, batched),
 ``adjust`` changes a live entry's cost, ``expire`` drops at most
@@ -71,12 +72,17 @@ _FAILURES = (RedisError, RedisClusterException, OSError)  # OSError covers Timeo
 SAFE_EVICTION = ("noeviction", "volatile-")
 
 
+def _lua(name: str) -> str:
+    return (resources.files("extproc.ledger") / f"{name}.lua").read_text("utf-8")
+
+
 class _Script:
-    """One Lua script: sent by SHA, its source only after a NOSCRIPT."""
+    """One Lua script, sent with the helpers of ``entries.lua`` in front: by SHA, its source
+    only after a NOSCRIPT."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.source = (resources.files("extproc.ledger") / f"{name}.lua").read_text("utf-8")
+        self.source = _lua("entries") + _lua(name)
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     async def run(self, client: Any, keys: Sequence[str], args: Sequence[str]) -> Any:

@@ -37,8 +37,8 @@ local function group(g)
   if counts[g] == nil then
     local v = redis.call('HGET', KEYS[5], g)
     if v then
-      local sep = string.find(v, ' ', 1, true)
-      counts[g] = {tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))}
+      local n, work = counted(v)
+      counts[g] = {n, work}
     else
       counts[g] = {0, 0}
     end

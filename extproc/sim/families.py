@@ -116,6 +116,7 @@ from extproc.workload import (
     piecewise_arrivals,
     poisson_arrivals,
     read_azure,
+    step_spike,
 )
 
 TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces"  # in a checkout
@@ -262,9 +263,7 @@ def flash_crowd(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Draw
     cap = fleet.capacity_rps(_probe("flash-crowd", seed, prompt, output, 1024))
     nominal, span = _span(d, cap * (base + (peak - base) * length / 600.0), 8, 10, size)
     squeeze = span / nominal
-    curve = [RatePoint(0.0, base), RatePoint(start * span, base),
-             RatePoint(start * span, peak), RatePoint(start * span + length * squeeze, peak),
-             RatePoint(start * span + length * squeeze, base), RatePoint(span, base)]
+    curve = step_spike(base, peak, start * span, length * squeeze, span)
     rng = random.Random(f"flash-crowd/{seed}/jobs")
     points = [RatePoint(p.at_s, p.rate * load * cap) for p in curve]
     jobs = _jobs(piecewise_arrivals(points, rng), rng, prompt, output, 1024)
@@ -509,8 +508,7 @@ def noisy_neighbour(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> 
     rng = random.Random(f"noisy-neighbour/{seed}/jobs")
     steady = _jobs(poisson_arrivals(a_x * load * cap, span, rng), rng, prompt, output, 1024)
     begin, end = start * span, start * span + length * squeeze
-    curve = [RatePoint(0.0, b_x), RatePoint(begin, b_x), RatePoint(begin, 10 * b_x),
-             RatePoint(end, 10 * b_x), RatePoint(end, b_x), RatePoint(span, b_x)]
+    curve = step_spike(b_x, 10 * b_x, begin, length * squeeze, span)
     burst = _jobs(piecewise_arrivals([RatePoint(p.at_s, p.rate * load * cap) for p in curve],
                                      rng), rng, prompt, output, 1024)
     d.params["burst_from_s"], d.params["burst_to_s"] = round(begin, 1), round(end, 1)
