@@ -65,54 +65,27 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     higher priority's, and, when its tenant is over its share of a contended pool, the
     tenants' under theirs. Returns the refusal (``PRIORITY`` or ``FAIR_SHARE``), the decision
     with its ledger checks tightened by that room, or None when nothing is kept."""
-    n = snapshot.inflight
-    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
     protected = [g for g in learning.flows
                  if (level := level_of(g)) is not None and level > priority]
-    over = False
     several = tenant is not None and config.tenant.fair_share and sum(
         1 for g in learning.flows if tenant_of(g) is not None) > 1
     if not protected and not several:
         return None
     limit = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
     swing = learning.limit.add(limit)
-    if several:
-        assert tenant is not None
-        # Each tenant's demand: its outstanding work, or what its arrivals keep in flight
-        # (Little's law), whichever is more: a tenant crowded out still wants its share.
-        weights = config.tenant.policy
-        demands = {t: (work, weights(t).weight) for g, (_, work) in snapshot.groups.items()
-                   if (t := tenant_of(g)) is not None}
-        for g, flow in learning.flows.items():
-            if (t := tenant_of(g)) is not None:
-                steady = flow.rate(now) / share * flow.duration_s * mean_ms
-                demands[t] = (max(demands.get(t, (0.0, 0.0))[0], steady), weights(t).weight)
-        _, mine = snapshot.groups.get(tenant_group(tenant), (0, 0.0))
-        demands[tenant] = (mine + decision.service_ms, weights(tenant).weight)
-        room = limit * mean_ms
-        over = over_share(tenant, demands, room)
-        if over:
-            fair = water_level(demands, room)  # the tenants holding less are protected
-            protected += [g for g in learning.flows
-                          if (t := tenant_of(g)) is not None and t != tenant
-                          and snapshot.groups.get(g, (0, 0.0))[1] / weights(t).weight < fair]
+    over = False
+    if tenant is not None and several:
+        under = _under_their_share(tenant, decision, config, learning, snapshot, limit, share,
+                                   now)
+        over = under is not None
+        protected += under or []
     if not protected:
         return None
-    horizon_s = decision.completion_ms / 1000.0
-    rate = sum(learning.flows[g].rate(now, RESERVE_Z) for g in protected) / share
-    # Departures near the limit: the requests the pool holds there over the mean time in
-    # flight of the requests arriving.
-    levels = [f for g, f in learning.flows.items() if level_of(g) is not None]
-    arriving = sum(f.rate(now) for f in levels)
-    held_s = (sum(f.rate(now) * (f.duration_s or horizon_s) for f in levels) / arriving
-              if arriving > 0 else horizon_s)
-    departures = max(limit, n) / held_s if held_s > 0 else math.inf
-    # The limit a protected request meets is not the one this request met: it moves with
-    # the traffic's mix from one arrival to the next, and with each request's own size. The
-    # reserve covers two of its measured standard deviations too.
-    kept = math.ceil(reserve(rate, departures, horizon_s) + RESERVE_Z * swing - 1e-9)
+    kept = _kept(protected, decision, learning, snapshot, limit, swing, share, now)
     if kept <= 0:
         return None
+    n = snapshot.inflight
+    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
     mean_kv = snapshot.kv_tokens / n if n else cost.kv
     ahead = dataclasses.replace(snapshot, inflight=n + kept,
                                 outstanding_ms=snapshot.outstanding_ms + kept * mean_ms,
@@ -128,6 +101,51 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     return dataclasses.replace(
         decision, ceiling_ms=min(decision.ceiling_ms, seen.ceiling_ms - kept * mean_ms),
         max_inflight=min(decision.max_inflight, seen.max_inflight - kept))
+
+
+def _under_their_share(tenant: str, decision: Decision, config: Config,
+                       learning: PoolLearning, snapshot: Snapshot, limit: int, share: float,
+                       now: float) -> list[str] | None:
+    """None when ``tenant`` is within its weighted max-min share of the work the pool holds
+    at its admission limit; otherwise the groups of the other tenants holding less than
+    theirs, whose expected arrivals it must leave room for. A tenant's demand is its
+    outstanding work, or what its arrivals keep in flight (Little's law), whichever is more:
+    a tenant crowded out still wants its share."""
+    n = snapshot.inflight
+    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
+    weights = config.tenant.policy
+    demands = {t: (work, weights(t).weight) for g, (_, work) in snapshot.groups.items()
+               if (t := tenant_of(g)) is not None}
+    for g, flow in learning.flows.items():
+        if (t := tenant_of(g)) is not None:
+            steady = flow.rate(now) / share * flow.duration_s * mean_ms
+            demands[t] = (max(demands.get(t, (0.0, 0.0))[0], steady), weights(t).weight)
+    _, mine = snapshot.groups.get(tenant_group(tenant), (0, 0.0))
+    demands[tenant] = (mine + decision.service_ms, weights(tenant).weight)
+    room = limit * mean_ms
+    if not over_share(tenant, demands, room):
+        return None
+    fair = water_level(demands, room)
+    return [g for g in learning.flows
+            if (t := tenant_of(g)) is not None and t != tenant
+            and snapshot.groups.get(g, (0, 0.0))[1] / weights(t).weight < fair]
+
+
+def _kept(protected: list[str], decision: Decision, learning: PoolLearning,
+          snapshot: Snapshot, limit: int, swing: float, share: float, now: float) -> int:
+    """Places to keep for the ``protected`` groups (``share.reserve``): their arrivals there
+    is evidence for, the pool's departures at its admission limit (the requests it holds
+    there over the mean time in flight of those arriving), over this request's time in
+    flight; plus two measured standard deviations of the limit itself, which moves with the
+    traffic's mix from one arrival to the next and with each request's own size."""
+    horizon_s = decision.completion_ms / 1000.0
+    rate = sum(learning.flows[g].rate(now, RESERVE_Z) for g in protected) / share
+    levels = [f for g, f in learning.flows.items() if level_of(g) is not None]
+    arriving = sum(f.rate(now) for f in levels)
+    held_s = (sum(f.rate(now) * (f.duration_s or horizon_s) for f in levels) / arriving
+              if arriving > 0 else horizon_s)
+    departures = max(limit, snapshot.inflight) / held_s if held_s > 0 else math.inf
+    return math.ceil(reserve(rate, departures, horizon_s) + RESERVE_Z * swing - 1e-9)
 
 
 def admission_limit(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
