@@ -105,21 +105,27 @@ async def test_server_serves_its_recommendation_to_keda() -> None:
     async with serving({
         "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "keda_listen": "127.0.0.1:0",
         "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 2}}],
-        "autoscale": {"window_s": 0.2, "min_replicas": 1, "max_replicas": 8},
+        # a window counts from 5 decisions, however slowly a loaded machine sends them
+        "autoscale": {"window_s": 0.5, "min_decisions": 5, "min_replicas": 1,
+                      "max_replicas": 8},
     }) as (svc, stub):
         held = [await admit_one(stub, 500) for _ in range(2)]
-        for _ in range(25):  # overload: every further request is refused
-            s = Stream(stub)
-            await s.send(headers())
-            assert (await s.send(body(chat(500)))).immediate_response.status.code == 429
-        # The windows that hold the burst recommend more replicas; on a loaded machine the
-        # burst may span several windows, so ask until one has (never a fixed sleep).
+
+        async def refused(n: int) -> None:  # overload: every further request is refused
+            for _ in range(n):
+                s = Stream(stub)
+                await s.send(headers())
+                assert (await s.send(body(chat(500)))).immediate_response.status.code == 429
+
+        # The overload goes on while we ask, so however slowly a loaded machine sends it,
+        # the windows keep holding refusals; ask until one has recommended more replicas.
         async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.keda_port}") as keda:
             scaler = kpb_grpc.ExternalScalerStub(keda)
             ref = kpb.ScaledObjectRef(name="vllm", namespace="ns",
                                       scalerMetadata={"pool": "llama"})
             seen: list[int] = []
             for _ in range(100):
+                await refused(5)
                 try:
                     got = await scaler.GetMetrics(kpb.GetMetricsRequest(
                         scaledObjectRef=ref, metricName=metric_name("llama")))
