@@ -73,10 +73,12 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
         return None
     limit = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
     swing = learning.limit.add(limit)
+    n = snapshot.inflight
+    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
     over = False
     if tenant is not None and several:
-        under = _under_their_share(tenant, decision, config, learning, snapshot, limit, share,
-                                   now)
+        under = _under_their_share(tenant, decision, config, learning, snapshot,
+                                   limit * mean_ms, mean_ms, share, now)
         over = under is not None
         protected += under or []
     if not protected:
@@ -84,8 +86,6 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     kept = _kept(protected, decision, learning, snapshot, limit, swing, share, now)
     if kept <= 0:
         return None
-    n = snapshot.inflight
-    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
     mean_kv = snapshot.kv_tokens / n if n else cost.kv
     ahead = dataclasses.replace(snapshot, inflight=n + kept,
                                 outstanding_ms=snapshot.outstanding_ms + kept * mean_ms,
@@ -104,15 +104,14 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
 
 
 def _under_their_share(tenant: str, decision: Decision, config: Config,
-                       learning: PoolLearning, snapshot: Snapshot, limit: int, share: float,
-                       now: float) -> list[str] | None:
-    """None when ``tenant`` is within its weighted max-min share of the work the pool holds
-    at its admission limit; otherwise the groups of the other tenants holding less than
-    theirs, whose expected arrivals it must leave room for. A tenant's demand is its
+                       learning: PoolLearning, snapshot: Snapshot, room: float, mean_ms: float,
+                       share: float, now: float) -> list[str] | None:
+    """None when ``tenant`` is within its weighted max-min share of ``room``, the work the
+    pool holds at its admission limit (requests of ``mean_ms`` each); otherwise the groups of
+    the other tenants holding less than theirs, whose expected arrivals it must leave room
+    for. A tenant's demand is its
     outstanding work, or what its arrivals keep in flight (Little's law), whichever is more:
     a tenant crowded out still wants its share."""
-    n = snapshot.inflight
-    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
     weights = config.tenant.policy
     demands = {t: (work, weights(t).weight) for g, (_, work) in snapshot.groups.items()
                if (t := tenant_of(g)) is not None}
@@ -122,7 +121,6 @@ def _under_their_share(tenant: str, decision: Decision, config: Config,
             demands[t] = (max(demands.get(t, (0.0, 0.0))[0], steady), weights(t).weight)
     _, mine = snapshot.groups.get(tenant_group(tenant), (0, 0.0))
     demands[tenant] = (mine + decision.service_ms, weights(tenant).weight)
-    room = limit * mean_ms
     if not over_share(tenant, demands, room):
         return None
     fair = water_level(demands, room)
