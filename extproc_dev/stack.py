@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,11 +27,33 @@ import yaml
 from extproc import config as config_mod
 from extproc import envoyconf
 
+# Ports for the processes we start come from below Linux's ephemeral range (32768-60999 by
+# default), from which every outgoing connection takes its local port: a port the kernel hands
+# out for bind(0) can be taken by some client's connect() before our child binds it, and under
+# load that made a stack fail to start. A port is handed out once per interpreter.
+_PORTS = range(20_000, 32_000)
+_given: set[int] = set()
 
-def free_port() -> int:
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(run: int = 1) -> int:
+    """A free port, or the first of ``run`` consecutive free ports (``serve --workers``)."""
+    for _ in range(500):
+        base = random.randrange(_PORTS.start, _PORTS.stop - run)
+        ports = range(base, base + run)
+        if _given.intersection(ports) or not all(map(_bindable, ports)):
+            continue
+        _given.update(ports)
+        return base
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def envoy_binary() -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 import yaml
 
 from extproc import config as config_mod
-from extproc_dev.stack import envoy_binary
+from extproc_dev.stack import envoy_binary, free_port
 from tests import helm_tool
 from tests.helm_tool import CHART, ROOT
 
@@ -564,15 +563,9 @@ def test_envoy_config_the_pod_renders_passes_envoy_validate(case: str, tmp_path:
 
 # --- the probe and preStop script against a real Envoy -------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_envoy_admin_script_probes_and_drains_a_real_envoy(tmp_path: Path) -> None:
     script = CHART / "files" / "envoy-admin.sh"
-    admin, listen = _free_port(), _free_port()
+    admin, listen = free_port(), free_port()
     bootstrap = tmp_path / "envoy.yaml"
     subprocess.run([str(Path(sys.executable).parent / "extproc"), "envoy-config",
                     "--port", str(listen), "--admin-port", str(admin), "-o", str(bootstrap)],

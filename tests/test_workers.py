@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,34 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc import config
 from extproc.errors import ConfigError
 from extproc.workers import check, shifted, worker_config
-from extproc_dev.stack import scrape, wait_http
+from extproc_dev.stack import free_port, scrape, wait_http
 from tests.redis_server import RedisServer
 from tests.traffic import wait_until
 
 pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
-
-
-def consecutive_ports(n: int) -> int:
-    """A base port with the ``n`` ports from it free (retried: another process may race)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n > 65535:
-            continue
-        try:
-            probes = []
-            for port in range(base, base + n):
-                sock = socket.socket()
-                probes.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in probes:
-                sock.close()
-        return base
-    raise RuntimeError("no run of free ports")
 
 
 def test_worker_addresses_follow_the_first_one() -> None:
@@ -101,7 +77,7 @@ def redis() -> Iterator[RedisServer]:
 
 def test_workers_serve_on_consecutive_ports_are_restarted_and_drain_together(
         tmp_path: Path, redis: RedisServer) -> None:
-    grpc_base, metrics_base = consecutive_ports(2), consecutive_ports(2)
+    grpc_base, metrics_base = free_port(2), free_port(2)
     path = tmp_path / "extproc.yaml"
     path.write_text(yaml.safe_dump({
         "listen": f"127.0.0.1:{grpc_base}", "metrics_listen": f"127.0.0.1:{metrics_base}",
@@ -147,7 +123,7 @@ def test_envoy_stops_sending_to_a_killed_worker_and_takes_it_back_once_restarted
     from extproc_dev.stack import Process, envoy_binary, free_port
     from tests.traffic import Ask, Traffic, count
 
-    grpc_base, metrics_base = consecutive_ports(2), consecutive_ports(2)
+    grpc_base, metrics_base = free_port(2), free_port(2)
     backend, envoy_port, admin = free_port(), free_port(), free_port()
     path = tmp_path / "extproc.yaml"
     path.write_text(yaml.safe_dump({
