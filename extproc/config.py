@@ -23,8 +23,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self, cast
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Strict, TypeAdapter,
-                      ValidationError, WithJsonSchema, create_model, model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    create_model,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
@@ -34,7 +44,8 @@ from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
 from extproc.share import LEVELS, MAX_LEVEL, parse_priority
 
-_MODEL = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+_MODEL = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True,
+                    use_attribute_docstrings=True)
 
 # No silent conversions: "5" is not a number, 1 is not true (ints are numbers).
 Int = Annotated[int, Strict()]
@@ -129,16 +140,18 @@ class ClassPolicy:
     ``throughput``: batch work with a long deadline that may queue deep."""
 
     name: SkipJsonSchema[Text] = ""  # its key under ``classes``
-    deadline_ms: Positive = Field(30_000.0, description="Deadline of its requests unless the"
-                                  " client's deadline header names a shorter one.")
-    safety_factor: Fraction = Field(0.8, description="Admit only when the predicted completion"
-                                    " fits in this share of the deadline.")
-    ttft_ms: Annotated[NonNegative | None, BeforeValidator(lambda v: v or None)] = Field(
-        None, description="Time-to-first-token objective (0 or absent: none).")
-    batch: Flag = Field(False, description="Batch work: takes only capacity the interactive"
-                        " classes' measured demand leaves, never a queue position.")
-    priority: Level | None = Field(None, description="The priority of the class's requests"
-                                   " (unless the priority header or the tenant's names one).")
+    deadline_ms: Positive = 30_000.0
+    """Deadline of its requests unless the client's deadline header names a shorter one."""
+    safety_factor: Fraction = 0.8
+    """Admit only when the predicted completion fits in this share of the deadline."""
+    ttft_ms: Annotated[NonNegative | None, BeforeValidator(lambda v: v or None)] = None
+    """Time-to-first-token objective (0 or absent: none)."""
+    batch: Flag = False
+    """Batch work: takes only capacity the interactive classes' measured demand leaves, never a
+    queue position."""
+    priority: Level | None = None
+    """The priority of the class's requests (unless the priority header or the tenant's names
+    one)."""
 
 
 def _with_default_classes(raw: Any) -> Any:
@@ -156,11 +169,12 @@ def _with_default_classes(raw: Any) -> Any:
 @dataclass(frozen=True, config=_MODEL)
 class Route:
     path: Annotated[Text, Rule(lambda v: None if v.startswith("/") else "must start with '/'",
-                               pattern="^/")] = Field(description="The request path (query"
-                                                      " string ignored).")
-    api: Api = Field(Api.OPENAI_CHAT, description="How its bodies are read.")
-    service_class: Text = Field("latency", validation_alias="class",
-                                description="Its service class: a key of `classes`.")
+                               pattern="^/")]
+    """The request path (query string ignored)."""
+    api: Api = Api.OPENAI_CHAT
+    """How its bodies are read."""
+    service_class: Text = Field(default="latency", validation_alias="class")
+    """Its service class: a key of `classes`."""
 
 
 FROM_CAPACITY = "from_capacity"
@@ -203,22 +217,23 @@ class EngineMetricsConfig:
     """Scraping a pool's engines for their own queues (``extproc.enginestats``): a correction
     to the ledger's view that only ever tightens admission, and never while stale."""
 
-    targets: Targets = Field(None, json_schema_extra={"default": FROM_CAPACITY}, description=(
-        "Replicas to scrape (HOST:PORT or http(s):// base URLs), or from_capacity: the"
-        " capacity source's ready hosts (not with capacity.source static)."))
-    interval_s: Positive = Field(2.0, description="Between the end of one scrape round and"
-                                 " the next.")
-    timeout_s: Positive = Field(0.5, description="Per replica.")
-    max_age_s: Positive = Field(5.0, description="A replica's last sample counts this long"
-                                " (at least interval_s + timeout_s).")
-    min_coverage: Fraction = Field(0.5, description="Fresh samples / targets below this: the"
-                                   " pool is stale and decided on the ledger alone.")
-    tolerance: NonNegative = Field(0.25, description="Engines may hold this much more than"
-                                   " the ledger ...")
-    slack: Count = Field(2, description="... plus this many requests, before the excess"
-                         " counts as work the ledger does not see.")
-    learn_output_lengths: Flag = Field(True, description="Learn the pool's output lengths"
-                                       " from vllm:request_generation_tokens.")
+    targets: Targets = Field(default=None, json_schema_extra={"default": FROM_CAPACITY})
+    """Replicas to scrape (HOST:PORT or http(s):// base URLs), or from_capacity: the capacity
+    source's ready hosts (not with capacity.source static)."""
+    interval_s: Positive = 2.0
+    """Between the end of one scrape round and the next."""
+    timeout_s: Positive = 0.5
+    """Per replica."""
+    max_age_s: Positive = 5.0
+    """A replica's last sample counts this long (at least interval_s + timeout_s)."""
+    min_coverage: Fraction = 0.5
+    """Fresh samples / targets below this: the pool is stale and decided on the ledger alone."""
+    tolerance: NonNegative = 0.25
+    """Engines may hold this much more than the ledger ..."""
+    slack: Count = 2
+    """... plus this many requests, before the excess counts as work the ledger does not see."""
+    learn_output_lengths: Flag = True
+    """Learn the pool's output lengths from vllm:request_generation_tokens."""
 
     @model_validator(mode="after")
     def _samples_outlive_a_round(self) -> Self:
@@ -226,7 +241,8 @@ class EngineMetricsConfig:
         # pool would go stale between two good scrapes.
         if self.max_age_s < self.interval_s + self.timeout_s:
             fail([Problem(("max_age_s",), f"must be >= interval_s + timeout_s"
-                          f" ({self.interval_s + self.timeout_s:g})", self.max_age_s)])
+                          f" ({self.interval_s + self.timeout_s:g}) (got {self.max_age_s:g})",
+                          show=False)])
         return self
 
 
@@ -255,13 +271,13 @@ def _engine_key(f: dataclasses.Field[Any]) -> Any:
     typed: Any = {bool: Flag, int: Int, float: Num}[kind]
     if kind is not bool:
         typed = Annotated[typed, within(ge=1 if f.name in _ENGINE_COUNTS else 0)]
-    return (typed | None, Field(None, description=_ENGINE_DOCS[f.name] + " Default: the"
+    return (typed | None, Field(default=None, description=_ENGINE_DOCS[f.name] + " Default: the"
                                 " preset's."))
 
 
 _ENGINE_SECTION: type[BaseModel] = create_model(
     "Engine", __config__=ConfigDict(extra="forbid"),
-    preset=(cast(Any, Literal)[tuple(PRESETS)], Field(DEFAULT_PRESET, description=(
+    preset=(cast(Any, Literal)[tuple(PRESETS)], Field(default=DEFAULT_PRESET, description=(
         "The calibrated engine the other keys start from (extproc/engine.py): "
         + ", ".join(PRESETS) + "."))),
     **{f.name: _engine_key(f) for f in dataclasses.fields(EngineModel)})
@@ -276,34 +292,36 @@ def _engine(section: BaseModel) -> EngineModel:
 class Pool:
     """Replicas serving one model, and the model of one replica (``extproc.engine``)."""
 
-    name: Named = Field(description="Named in capacity.services, metrics and autoscaling.")
+    name: Named
+    """Named in capacity.services, metrics and autoscaling."""
     models: Annotated[tuple[Text, ...], Rule(lambda v: None if v else "must not be empty",
-                                             minItems=1)] = Field(
-        ("*",), description="Model names it serves; * serves any model no pool names.")
-    replicas: Count = Field(1, description="Ready replicas assumed (capacity.source static).")
+                                             minItems=1)] = ("*",)
+    """Model names it serves; * serves any model no pool names."""
+    replicas: Count = 1
+    """Ready replicas assumed (capacity.source static)."""
     engine: Annotated[EngineModel, Section(_ENGINE_SECTION, _engine)] = Field(
-        default_factory=EngineModel, description="One replica as vLLM V1 runs it: a preset"
-        " and any of its keys over it (extproc/engine.py).")
-    default_max_tokens: Annotated[Int, within(gt=0)] = Field(
-        512, description="Output tokens charged when a request names no max_tokens.")
-    tokenizer: File | None = Field(None, description="A tokenizer.json for exact prompt"
-                                   " counts; absent: estimated from bytes_per_token.")
-    bytes_per_token: Positive = Field(4.0, description="UTF-8 bytes per prompt token, when"
-                                      " estimating.")
-    message_overhead_tokens: Count = Field(4, description="Tokens a chat message adds beyond"
-                                           " its text.")
-    non_text_part_tokens: Count = Field(765, description="Tokens charged for a non-text"
-                                        " content part (an image).")
+        default_factory=EngineModel)
+    """One replica as vLLM V1 runs it: a preset and any of its keys over it (extproc/engine.py)."""
+    default_max_tokens: Annotated[Int, within(gt=0)] = 512
+    """Output tokens charged when a request names no max_tokens."""
+    tokenizer: File | None = None
+    """A tokenizer.json for exact prompt counts; absent: estimated from bytes_per_token."""
+    bytes_per_token: Positive = 4.0
+    """UTF-8 bytes per prompt token, when estimating."""
+    message_overhead_tokens: Count = 4
+    """Tokens a chat message adds beyond its text."""
+    non_text_part_tokens: Count = 765
+    """Tokens charged for a non-text content part (an image)."""
     # Output-length prediction (extproc.estimate): the mean and a long (~99th percentile)
     # output of this pool's requests, e.g. from the engines' generation-token histogram.
-    expected_output_tokens: Positive | None = Field(None, description=(
-        "Mean output of its requests; absent: max_tokens charged in full."))
-    long_output_tokens: Positive | None = Field(None, description=(
-        "A long (~99th percentile) output, at least expected_output_tokens."))
-    wait_quantile: Annotated[Num, within(ge=0.5, lt=1)] = Field(
-        0.97, description="How sure a predicted queue wait must be: its quantile.")
-    engine_metrics: EngineMetricsConfig | None = Field(None, description=(
-        "Scrape the engines' /metrics as a correction to the ledger's view; absent: off."))
+    expected_output_tokens: Positive | None = None
+    """Mean output of its requests; absent: max_tokens charged in full."""
+    long_output_tokens: Positive | None = None
+    """A long (~99th percentile) output, at least expected_output_tokens."""
+    wait_quantile: Annotated[Num, within(ge=0.5, lt=1)] = 0.97
+    """How sure a predicted queue wait must be: its quantile."""
+    engine_metrics: EngineMetricsConfig | None = None
+    """Scrape the engines' /metrics as a correction to the ledger's view; absent: off."""
 
     def serves(self, model: str) -> bool:
         return model in self.models or "*" in self.models
@@ -313,7 +331,7 @@ class Pool:
         mean, long = self.expected_output_tokens, self.long_output_tokens
         if mean is not None and long is not None and long < mean:
             fail([Problem(("long_output_tokens",), f"must be >= expected_output_tokens"
-                          f" ({mean:g})", long)])
+                          f" ({mean:g}) (got {long:g})", show=False)])
         return self
 
 
@@ -321,12 +339,16 @@ class Pool:
 class RedisTls:
     """TLS towards Redis: on for ``rediss://`` URLs, or with ``enabled`` (Sentinel)."""
 
-    enabled: Flag = Field(False, description="TLS without a rediss:// URL (Sentinel).")
-    ca_file: File | None = Field(None, description="CA bundle; absent: the system's.")
-    cert_file: File | None = Field(None, description="Client certificate, when Redis asks"
-                                   " for one.")
-    key_file: File | None = Field(None, description="The client certificate's key.")
+    enabled: Flag = False
+    """TLS without a rediss:// URL (Sentinel)."""
+    ca_file: File | None = None
+    """CA bundle; absent: the system's."""
+    cert_file: File | None = None
+    """Client certificate, when Redis asks for one."""
+    key_file: File | None = None
+    """The client certificate's key."""
     check_hostname: Flag = True
+    """Check that Redis's certificate names the host dialled."""
 
     @model_validator(mode="after")
     def _cert_and_key_together(self) -> Self:
@@ -348,16 +370,18 @@ class RedisSentinel:
         tuple[Annotated[tuple[str, int], BeforeValidator(_host_port),
                         WithJsonSchema({"type": "string", "pattern": "^.+:[0-9]+$"})], ...],
         Rule(lambda v: None if v else "must be a non-empty list of HOST:PORT", minItems=1),
-    ] = Field(description="Sentinels, HOST:PORT each.")
-    service_name: Named = Field(description="The monitored master's name.")
+    ]
+    """Sentinels, HOST:PORT each."""
+    service_name: Named
+    """The monitored master's name."""
 
 
 @dataclass(frozen=True, config=_MODEL)
 class BreakerConfig:
-    failures: Annotated[Int, within(ge=1)] = Field(5, description="Consecutive failures that"
-                                                   " open the breaker.")
-    cooldown_ms: NonNegative = Field(500.0, description="How long it stays open before one"
-                                     " trial call.")
+    failures: Annotated[Int, within(ge=1)] = 5
+    """Consecutive failures that open the breaker."""
+    cooldown_ms: NonNegative = 500.0
+    """How long it stays open before one trial call."""
 
 
 def _redis_url(v: str) -> str | None:
@@ -378,37 +402,44 @@ class LedgerConfig:
     ``repr`` (and so out of logs); prefer ``password_file`` or ``password_env``.
     """
 
-    kind: Literal["memory", "redis"] = Field("memory", description="memory: exact for one"
-                                             " gateway replica; redis: shared by replicas.")
-    lease_grace_ms: Positive = Field(30_000.0, description="The simulator's lease past a"
-                                     " request's expected finish.")
-    liveness_ms: Annotated[Num, within(ge=100, why="heartbeats every third")] = Field(
-        3_000.0, description="A gateway's entries outlive its last heartbeat by this much: a"
-        " replica that dies costs the fleet its requests' capacity for about this long.")
+    kind: Literal["memory", "redis"] = "memory"
+    """memory: exact for one gateway replica; redis: shared by replicas."""
+    lease_grace_ms: Positive = 30_000.0
+    """The simulator's lease past a request's expected finish."""
+    liveness_ms: Annotated[Num, within(ge=100, why="heartbeats every third")] = 3_000.0
+    """A gateway's entries outlive its last heartbeat by this much: a replica that dies costs the
+    fleet its requests' capacity for about this long."""
     sweep_interval_ms: Positive = 1_000.0
-    url: Annotated[Text, Rule(_redis_url)] | None = Field(None, description=_REDIS_ONLY + (
-        "redis://, rediss:// (TLS) or unix://; a seed node for a cluster."))
-    username: Text | None = Field(None, description=_REDIS_ONLY + "ACL user.")
-    password: Named | None = Field(None, repr=False, description=_REDIS_ONLY + (
-        "Prefer password_file or password_env."))
-    password_file: File | None = Field(None, description=_REDIS_ONLY + "A file holding it.")
-    password_env: Named | None = Field(None, description=_REDIS_ONLY + (
-        "An environment variable holding it."))
-    tls: RedisTls = Field(default_factory=RedisTls, description=_REDIS_ONLY + "TLS.")
-    sentinel: RedisSentinel | None = Field(None, description=_REDIS_ONLY + (
-        "Find the master through Sentinel instead of url."))
-    cluster: Flag = Field(False, description=_REDIS_ONLY + "url is a Redis Cluster node.")
+    """How often lapsed entries are swept."""
+    url: Annotated[Text, Rule(_redis_url)] | None = None
+    """Redis only. redis://, rediss:// (TLS) or unix://; a seed node for a cluster."""
+    username: Text | None = None
+    """Redis only. ACL user."""
+    password: Named | None = Field(default=None, repr=False)
+    """Redis only. Prefer password_file or password_env."""
+    password_file: File | None = None
+    """Redis only. A file holding it."""
+    password_env: Named | None = None
+    """Redis only. An environment variable holding it."""
+    tls: RedisTls = Field(default_factory=RedisTls)
+    """Redis only. TLS."""
+    sentinel: RedisSentinel | None = None
+    """Redis only. Find the master through Sentinel instead of url."""
+    cluster: Flag = False
+    """Redis only. url is a Redis Cluster node."""
     key_prefix: Annotated[Text, Rule(lambda v: None if v and not set(v) & set("{} ") else
                                      "must be non-empty, without braces or spaces",
                                      pattern="^[^{} ]+$")] = "extproc"
-    timeout_ms: Positive = Field(50.0, description=_REDIS_ONLY + (
-        "Connect and socket timeout of every Redis call."))
-    decision_deadline_ms: Positive = Field(75.0, description=_REDIS_ONLY + (
-        "The most one decision waits on the ledger in total."))
-    on_unavailable: OnUnavailable = Field(OnUnavailable.FAIL_OPEN, description=(
-        _REDIS_ONLY + "What a decision does when the ledger cannot be reached in time."))
-    breaker: BreakerConfig = Field(default_factory=BreakerConfig, description=_REDIS_ONLY
-                                   + "Stop calling a failing Redis for a while.")
+    """Redis only. Prefix of every key (gateways sharing one Redis with different prefixes
+    keep apart ledgers)."""
+    timeout_ms: Positive = 50.0
+    """Redis only. Connect and socket timeout of every Redis call."""
+    decision_deadline_ms: Positive = 75.0
+    """Redis only. The most one decision waits on the ledger in total."""
+    on_unavailable: OnUnavailable = OnUnavailable.FAIL_OPEN
+    """Redis only. What a decision does when the ledger cannot be reached in time."""
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    """Redis only. Stop calling a failing Redis for a while."""
 
     @model_validator(mode="wrap")
     @classmethod
@@ -417,7 +448,7 @@ class LedgerConfig:
         if isinstance(raw, Mapping) and (kind := raw.get("kind", "memory")) != "redis":
             found = [Problem((key,), f"only used with ledger.kind 'redis' (kind is {kind!r})",
                              show=False) for key in raw if key in _REDIS_KEYS]
-        return cast(Self, early(raw, handler, found))
+        return cast(Self, early(raw, handler, found, drop=_REDIS_KEYS))
 
     @model_validator(mode="after")
     def _coherent(self) -> Self:
@@ -450,19 +481,21 @@ _REDIS_KEYS = frozenset(f.name for f in dataclasses.fields(LedgerConfig)) - {
 class CapacityConfig:
     """Where ready replicas come from (see extproc.capacity)."""
 
-    source: Literal["static", "envoy", "kubernetes"] = Field("static", description=(
-        "static: pools[].replicas; envoy: Envoy admin's healthy hosts; kubernetes: each"
-        " pool's Service endpoints."))
+    source: Literal["static", "envoy", "kubernetes"] = "static"
+    """static: pools[].replicas; envoy: Envoy admin's healthy hosts; kubernetes: each pool's Service
+    endpoints."""
     envoy_admin_url: Annotated[Text, Rule(lambda v: None if v.startswith("http://")
                                           else "must be http://", pattern="^http://")] = (
         "http://127.0.0.1:9901")
+    """Envoy's admin interface (source envoy)."""
     services: Mapping[str, Annotated[Text, Rule(
         lambda v: None if v.count("/") == 1 else "must be 'namespace/service'",
-        pattern="^[^/]+/[^/]+$")]] = Field(default_factory=dict, description=(
-            "Pool name -> namespace/service (source kubernetes)."))
-    hold_s: NonNegative = Field(10.0, description="Keep the last value this long when the"
-                                " source fails ...")
-    floor: Count = Field(1, description="... then assume at most this many ready replicas.")
+        pattern="^[^/]+/[^/]+$")]] = Field(default_factory=dict)
+    """Pool name -> namespace/service (source kubernetes)."""
+    hold_s: NonNegative = 10.0
+    """Keep the last value this long when the source fails ..."""
+    floor: Count = 1
+    """... then assume at most this many ready replicas."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,12 +506,12 @@ class AutoscaleConfig:
 
 def _policy_key(f: dataclasses.Field[Any]) -> Any:
     typed: Any = {int: Int, float: Num}.get(cast(type, f.type), Num | None)
-    return (typed, Field(f.default, description="extproc/autoscale.py ScalingPolicy."))
+    return (typed, Field(default=f.default, description="extproc/autoscale.py ScalingPolicy."))
 
 
 _AUTOSCALE_SECTION: type[BaseModel] = create_model(
     "Autoscale", __config__=ConfigDict(extra="forbid"),
-    window_s=(Positive, Field(15.0, description="The control window.")),
+    window_s=(Positive, Field(default=15.0, description="The control window.")),
     **{f.name: _policy_key(f) for f in dataclasses.fields(ScalingPolicy)})
 
 
@@ -496,19 +529,22 @@ def _autoscale(section: BaseModel) -> AutoscaleConfig:
 @dataclass(frozen=True, config=_MODEL)
 class TracingConfig:
     endpoint: Annotated[Text, Rule(lambda v: None if v.startswith(("http://", "https://"))
-                                   else "must be an http:// or https:// URL")] | None = Field(
-        None, description="OTLP gRPC, e.g. http://jaeger-collector:4317; absent: off.")
-    sample_ratio: Annotated[Num, within(ge=0, le=1)] = Field(1.0, description=(
-        "For root spans; a sampled parent (Envoy's) is always followed."))
+                                   else "must be an http:// or https:// URL")] | None = None
+    """OTLP gRPC, e.g. http://jaeger-collector:4317; absent: off."""
+    sample_ratio: Annotated[Num, within(ge=0, le=1)] = 1.0
+    """For root spans; a sampled parent (Envoy's) is always followed."""
     service_name: Named = "extproc"
+    """The service.name of the spans."""
 
 
 @dataclass(frozen=True, config=_MODEL)
 class RetryAfter:
     min_s: Annotated[Int, within(ge=1)] = 1
+    """The shortest Retry-After, seconds."""
     max_s: Annotated[Int, within(le=120, why="SDKs give up beyond")] = 60
-    jitter: NonNegative = Field(0.5, description="Retry-After is drawn from"
-                                " [t, t x (1 + jitter)].")
+    """The longest, seconds."""
+    jitter: NonNegative = 0.5
+    """Retry-After is drawn from [t, t x (1 + jitter)]."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
@@ -523,14 +559,14 @@ class TenantPolicy:
     """What one tenant is entitled to (extproc.share): its weight in fair shares, its
     requests' priority, and optional hard caps the ledger enforces atomically."""
 
-    weight: Positive = Field(1.0, description="Its weight in max-min fair shares of a"
-                             " contended pool.")
-    priority: Level | None = Field(None, description="Its requests' priority (unless the"
-                                   " priority header names one).")
-    max_inflight: Annotated[Int, within(ge=1)] | None = Field(None, description=(
-        "Hard cap: the most requests it may have in flight."))
-    max_outstanding_s: Positive | None = Field(None, description=(
-        "Hard cap: the most GPU-seconds of work it may owe."))
+    weight: Positive = 1.0
+    """Its weight in max-min fair shares of a contended pool."""
+    priority: Level | None = None
+    """Its requests' priority (unless the priority header names one)."""
+    max_inflight: Annotated[Int, within(ge=1)] | None = None
+    """Hard cap: the most requests it may have in flight."""
+    max_outstanding_s: Positive | None = None
+    """Hard cap: the most GPU-seconds of work it may owe."""
 
 
 @dataclass(frozen=True, config=_MODEL)
@@ -538,9 +574,10 @@ class PriorityConfig:
     """Where a request's priority comes from (extproc.share), first that names one: the
     header (set by Envoy, never by the client), its tenant's, its class's, ``default``."""
 
-    header: Header | None = Field(None, description="A header Envoy sets (client copies are"
-                                  " removed) that names a request's priority.")
-    default: Level = Field(0, description="The priority of requests nothing else names.")
+    header: Header | None = None
+    """A header Envoy sets (client copies are removed) that names a request's priority."""
+    default: Level = 0
+    """The priority of requests nothing else names."""
 
 
 MAX_KNOWN_TENANTS = 100  # each known tenant is a metric label value: keep the set bounded
@@ -581,26 +618,28 @@ Claim = Annotated[
 
 @dataclass(frozen=True, config=_MODEL)
 class TenantConfig:
-    source: TenantSource = Field(TenantSource.NONE, description=(
-        "Where the tenant comes from: none, metadata (e.g. jwt_authn's payload) or header."))
-    metadata_namespace: Named = Field("envoy.filters.http.jwt_authn",
-                                      description="source metadata: the namespace.")
-    metadata_key: Text = Field("jwt_payload", description="source metadata: the key in it"
-                               " (jwt_authn's payload_in_metadata); empty: none.")
-    claim: Claim = Field(("tenant",), description="source metadata: the claim naming the"
-                         " tenant (a list: a path into nested claims).")
-    header: Header = Field("x-tenant-id", description="source header: a header Envoy removes"
-                           " from the client's request and sets itself.")
+    source: TenantSource = TenantSource.NONE
+    """Where the tenant comes from: none, metadata (e.g. jwt_authn's payload) or header."""
+    metadata_namespace: Named = "envoy.filters.http.jwt_authn"
+    """source metadata: the namespace."""
+    metadata_key: Text = "jwt_payload"
+    """source metadata: the key in it (jwt_authn's payload_in_metadata); empty: none."""
+    claim: Claim = ("tenant",)
+    """source metadata: the claim naming the tenant (a list: a path into nested claims)."""
+    header: Header = "x-tenant-id"
+    """source header: a header Envoy removes from the client's request and sets itself."""
     known: Annotated[tuple[TenantName, ...], Rule(_known, quote=False, uniqueItems=True,
-                                                 maxItems=MAX_KNOWN_TENANTS)] = Field(
-        (), description="Tenants that are metric labels; the rest count as other.")
-    default: TenantName = Field("anonymous", description="Charged when no tenant is named.")
-    fair_share: Flag = Field(True, description="Share a contended pool max-min by weight"
-                             " between tenants.")
+                                                 maxItems=MAX_KNOWN_TENANTS)] = ()
+    """Tenants that are metric labels; the rest count as other."""
+    default: TenantName = "anonymous"
+    """Charged when no tenant is named."""
+    fair_share: Flag = True
+    """Share a contended pool max-min by weight between tenants."""
     tenants: Annotated[Mapping[str, TenantPolicy], Rule(_tenant_names, quote=False)] = Field(
-        default_factory=dict, description="Per tenant: weight, priority and hard caps.")
-    others: TenantPolicy = Field(default_factory=TenantPolicy, description="Every tenant not"
-                                 " listed in tenants.")
+        default_factory=dict)
+    """Per tenant: weight, priority and hard caps."""
+    others: TenantPolicy = Field(default_factory=TenantPolicy)
+    """Every tenant not listed in tenants."""
 
     def policy(self, name: str) -> TenantPolicy:
         return self.tenants.get(name, self.others)
@@ -617,7 +656,13 @@ class TenantConfig:
                              f" (source is {source!r})", show=False)
                      for other, keys in _TENANT_KEYS_BY_SOURCE.items() if other != source
                      for key in keys if key in raw]
-        return cast(Self, early(raw, handler, found))
+        drop = [str(p.loc[0]) for p in found]
+        # duplicates among known, reported with any bad name in it (the field's own check
+        # runs only once every name is good)
+        known = raw.get("known") if isinstance(raw, Mapping) else None
+        if isinstance(known, list) and (why := _known(tuple(map(str, known)))):
+            found.append(Problem(("known",), why, show=False))
+        return cast(Self, early(raw, handler, found, drop))
 
 
 @dataclass(frozen=True, config=_MODEL)
@@ -625,12 +670,14 @@ class ServerTls:
     """mTLS on ``listen``: clients (Envoy) must present a certificate ``client_ca_file``
     signed. Files are re-read when they change (extproc.tls)."""
 
-    cert_file: File = Field(description="The server's certificate (PEM).")
-    key_file: File = Field(description="Its key (PEM, unencrypted).")
-    client_ca_file: File = Field(description="Clients (Envoy) must present a certificate"
-                                 " this CA signed.")
-    reload_interval_s: NonNegative = Field(10.0, description="How often a new connection"
-                                           " checks the files at most.")
+    cert_file: File
+    """The server's certificate (PEM)."""
+    key_file: File
+    """Its key (PEM, unencrypted)."""
+    client_ca_file: File
+    """Clients (Envoy) must present a certificate this CA signed."""
+    reload_interval_s: NonNegative = 10.0
+    """How often a new connection checks the files at most."""
 
     @model_validator(mode="wrap")
     @classmethod
@@ -673,56 +720,57 @@ Classes = Annotated[Mapping[str, ClassPolicy], BeforeValidator(_with_default_cla
 @dataclass(frozen=True, config=_MODEL)
 class Config:
     pools: Annotated[tuple[Pool, ...], Rule(_pools, quote=False, minItems=1)] = Field(
-        default_factory=lambda: (Pool(name="default"),),
-        description="Replica pools; absent: one pool named default serving every model.")
-    classes: Classes = Field(
-        default_factory=lambda: TypeAdapter(Classes).validate_python({}),
-        description="Service classes, merged key by key over the built-in latency"
-        " (deadline 30 s, ttft 2 s, safety 0.8) and throughput (600 s, 0.9, batch).")
+        default_factory=lambda: (Pool(name="default"),))
+    """Replica pools; absent: one pool named default serving every model."""
+    classes: Classes = Field(default_factory=lambda: TypeAdapter(Classes).validate_python({}))
+    """Service classes, merged key by key over the built-in latency (deadline 30 s, ttft 2 s, safety
+    0.8) and throughput (600 s, 0.9, batch)."""
     routes: tuple[Route, ...] = Field(
-        default_factory=lambda: TypeAdapter(tuple[Route, ...]).validate_python(DEFAULT_ROUTES),
-        description="Paths decided on; absent: the OpenAI and TGI paths. Other paths pass.")
-    listen: Address = Field("127.0.0.1:50051", description="The ext_proc gRPC server:"
-                            " HOST:PORT or unix:PATH.")
-    metrics_listen: Address = Field("127.0.0.1:9464", description="Prometheus /metrics.")
-    mode: Mode = Field(Mode.ENFORCE, description="enforce: refuse what would miss its"
-                       " deadline; shadow: decide and count, never refuse.")
-    infeasible: Infeasible = Field(Infeasible.PASS, description="A request that cannot fit"
-                                   " even on an idle fleet: pass, or reject with a 400.")
-    max_body_bytes: Annotated[Int, within(gt=0)] = Field(8 * 1024 * 1024, description=(
-        "Bodies larger are refused with a 413."))
-    content_encoding: ContentEncoding = Field(ContentEncoding.REFUSE, description=(
-        "A compressed body: refuse (415) or decode gzip / deflate to read it."))
-    max_inflation_ratio: Annotated[Num, within(ge=1)] = Field(20.0, description=(
-        "Decoded / compressed bytes at most, with content_encoding decode."))
+        default_factory=lambda: TypeAdapter(tuple[Route, ...]).validate_python(DEFAULT_ROUTES))
+    """Paths decided on; absent: the OpenAI and TGI paths. Other paths pass."""
+    listen: Address = "127.0.0.1:50051"
+    """The ext_proc gRPC server: HOST:PORT or unix:PATH."""
+    metrics_listen: Address = "127.0.0.1:9464"
+    """Prometheus /metrics."""
+    mode: Mode = Mode.ENFORCE
+    """enforce: refuse what would miss its deadline; shadow: decide and count, never refuse."""
+    infeasible: Infeasible = Infeasible.PASS
+    """A request that cannot fit even on an idle fleet: pass, or reject with a 400."""
+    max_body_bytes: Annotated[Int, within(gt=0)] = 8 * 1024 * 1024
+    """Bodies larger are refused with a 413."""
+    content_encoding: ContentEncoding = ContentEncoding.REFUSE
+    """A compressed body: refuse (415) or decode gzip / deflate to read it."""
+    max_inflation_ratio: Annotated[Num, within(ge=1)] = 20.0
+    """Decoded / compressed bytes at most, with content_encoding decode."""
     deadline_header: Annotated[Text, Rule(lambda v: None if v and v == v.lower() else
-                                          "must be lower-case", pattern="^[^A-Z]+$")] = Field(
-        "x-admission-deadline-ms", description="The client's deadline in ms.")
-    drain_grace_s: NonNegative = Field(25.0, description="SIGTERM: keep serving open"
-                                       " streams this long at most.")
-    shed_wait_ms: NonNegative = Field(500.0, description="429 at once while bodies wait"
-                                      " longer than this for a decision (0: never).")
-    ledger: LedgerConfig = Field(default_factory=LedgerConfig, description=(
-        "Where admitted work is recorded: in memory, or in Redis shared by replicas."))
-    retry_after: RetryAfter = Field(default_factory=RetryAfter, description=(
-        "The Retry-After of a 429."))
-    decision_log: Annotated[Text, Rule(_writable_dir)] | None = Field(None, description=(
-        "JSONL of every decision, for extproc replay; absent: off."))
-    tracing: TracingConfig = Field(default_factory=TracingConfig, description=(
-        "OpenTelemetry spans of decisions."))
-    capacity: CapacityConfig = Field(default_factory=CapacityConfig, description=(
-        "Where ready replicas come from."))
+                                          "must be lower-case", pattern="^[^A-Z]+$")] = (
+        "x-admission-deadline-ms")
+    """The client's deadline in ms."""
+    drain_grace_s: NonNegative = 25.0
+    """SIGTERM: keep serving open streams this long at most."""
+    shed_wait_ms: NonNegative = 500.0
+    """429 at once while bodies wait longer than this for a decision (0: never)."""
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    """Where admitted work is recorded: in memory, or in Redis shared by replicas."""
+    retry_after: RetryAfter = Field(default_factory=RetryAfter)
+    """The Retry-After of a 429."""
+    decision_log: Annotated[Text, Rule(_writable_dir)] | None = None
+    """JSONL of every decision, for extproc replay; absent: off."""
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    """OpenTelemetry spans of decisions."""
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    """Where ready replicas come from."""
     autoscale: Annotated[AutoscaleConfig, Section(_AUTOSCALE_SECTION, _autoscale)] = Field(
-        default_factory=AutoscaleConfig, description="Control window and replica recommender"
-        " thresholds (docs/autoscaling.md).")
-    keda_listen: Address | None = Field(None, description="KEDA external scaler gRPC"
-                                        " (HOST:PORT); absent: off.")
-    tenant: TenantConfig = Field(default_factory=TenantConfig, description=(
-        "Who a request is charged to, and fair shares between tenants."))
-    priority: PriorityConfig = Field(default_factory=PriorityConfig, description=(
-        "Where a request's priority comes from."))
-    tls: ServerTls | None = Field(None, description="Mutual TLS on listen; absent: plaintext"
-                                  " (loopback, unix).")
+        default_factory=AutoscaleConfig)
+    """Control window and replica recommender thresholds (docs/autoscaling.md)."""
+    keda_listen: Address | None = None
+    """KEDA external scaler gRPC (HOST:PORT); absent: off."""
+    tenant: TenantConfig = Field(default_factory=TenantConfig)
+    """Who a request is charged to, and fair shares between tenants."""
+    priority: PriorityConfig = Field(default_factory=PriorityConfig)
+    """Where a request's priority comes from."""
+    tls: ServerTls | None = None
+    """Mutual TLS on listen; absent: plaintext (loopback, unix)."""
 
     def route(self, path: str) -> Route | None:
         """The route for a request path (query string ignored), or None to pass it untouched."""

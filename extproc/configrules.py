@@ -122,18 +122,20 @@ def within(ge: float | None = None, gt: float | None = None, le: float | None = 
               and (le is None or v <= le) and (lt is None or v < lt))
         return None if ok else text
 
-    keywords = {"minimum": ge, "exclusiveMinimum": gt, "maximum": le, "exclusiveMaximum": lt}
+    keywords: dict[str, Any] = {"minimum": ge, "exclusiveMinimum": gt, "maximum": le,
+                                "exclusiveMaximum": lt}
     return Rule(check, **{k: v for k, v in keywords.items() if v is not None})
 
 
-def early(raw: Any, handler: Callable[[Any], Any], problems: list[Problem]) -> Any:
+def early(raw: Any, handler: Callable[[Any], Any], problems: list[Problem],
+          drop: Iterable[str] = ()) -> Any:
     """Validate ``raw`` after ``problems`` found in it beforehand, reporting all together: the
-    keys they name are left out, and a field problem at the same key yields to theirs."""
+    keys in ``drop`` are left out, and a field problem at the same key yields to theirs."""
     if not problems:
         return handler(raw)
-    named = {p.loc for p in problems}
+    named, dropped = {p.loc for p in problems}, set(drop)
     try:
-        handler({k: v for k, v in raw.items() if (k,) not in named})
+        handler({k: v for k, v in raw.items() if k not in dropped})
     except ValidationError as exc:
         problems += [Problem(e["loc"], *_why(e)) for e in _errors(exc) if e["loc"] not in named]
     fail(problems)
