@@ -16,7 +16,9 @@ each); the validation machinery and the generators live apart, in ``configrules`
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import re
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -504,15 +506,22 @@ class AutoscaleConfig:
     policy: ScalingPolicy = dataclasses.field(default_factory=ScalingPolicy)
 
 
-def _policy_key(f: dataclasses.Field[Any]) -> Any:
-    typed: Any = {int: Int, float: Num}.get(cast(type, f.type), Num | None)
-    return (typed, Field(default=f.default, description="extproc/autoscale.py ScalingPolicy."))
+def _line_comments(cls: type) -> dict[str, str]:
+    """The comment on each field's line of ``cls``: ScalingPolicy documents its keys so."""
+    lines = inspect.getsource(cls).splitlines()
+    return {m[1]: m[2] for m in (re.match(r"\s+(\w+): [^#]*#\s*(.+)", ln) for ln in lines) if m}
+
+
+def _policy_key(f: dataclasses.Field[Any], doc: str) -> Any:
+    typed: Any = {int: Int, float: Num}.get(type(f.default), Num | None)
+    return (typed, Field(default=f.default, description=doc))
 
 
 _AUTOSCALE_SECTION: type[BaseModel] = create_model(
     "Autoscale", __config__=ConfigDict(extra="forbid"),
     window_s=(Positive, Field(default=15.0, description="The control window.")),
-    **{f.name: _policy_key(f) for f in dataclasses.fields(ScalingPolicy)})
+    **{f.name: _policy_key(f, _line_comments(ScalingPolicy).get(f.name, ""))
+       for f in dataclasses.fields(ScalingPolicy)})
 
 
 def _autoscale(section: BaseModel) -> AutoscaleConfig:
@@ -762,7 +771,8 @@ class Config:
     """Where ready replicas come from."""
     autoscale: Annotated[AutoscaleConfig, Section(_AUTOSCALE_SECTION, _autoscale)] = Field(
         default_factory=AutoscaleConfig)
-    """Control window and replica recommender thresholds (docs/autoscaling.md)."""
+    """Control window and replica recommender thresholds (docs/autoscaling.md); their bounds
+    are checked by ScalingPolicy (extproc/autoscale.py)."""
     keda_listen: Address | None = None
     """KEDA external scaler gRPC (HOST:PORT); absent: off."""
     tenant: TenantConfig = Field(default_factory=TenantConfig)
