@@ -46,9 +46,9 @@ test-fast: setup
 	$(PY) -m pytest -q -m 'not integration and not redis and not slow and not soak and not chaos and not image'
 
 # The chart's values.schema.json `config` section and the README's table of every key, written
-# from extproc/config.py's models (tests/test_config_schema.py fails when they differ).
+# from extproc/config/'s models (tests/test_config_schema.py fails when they differ).
 config-schema: setup
-	$(PY) -m extproc.configschema
+	$(PY) -m extproc.config.schema
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""The generated parts of the configuration (extproc.configschema) match the models: the chart's
+"""The generated parts of the configuration (extproc.config.schema) match the models: the chart's
 values.schema.json and the README's reference are what the generator writes today, and the
 models and the schema accept and refuse the same values, key by key."""
 
@@ -13,8 +13,9 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from extproc import config, configschema
-from extproc.configrules import dotted
+from extproc import config
+from extproc.config import schema as configschema
+from extproc.config.rules import dotted
 from extproc.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

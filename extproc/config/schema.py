@@ -1,9 +1,9 @@
-"""What is generated from ``extproc.config``'s models, so that it cannot drift from them: the
+"""What is generated from the models of ``extproc.config``, so that it cannot drift from them: the
 ``config`` section of the Helm chart's ``values.schema.json``, and the README's reference of
 every key (type, default, bounds, description) between its marker comments.
 
-    python -m extproc.configschema           # rewrite both (make config-schema)
-    python -m extproc.configschema --check   # exit 1 naming what differs (tests do the same)
+    python -m extproc.config.schema           # rewrite both (make config-schema)
+    python -m extproc.config.schema --check   # exit 1 naming what differs (tests do the same)
 
 The schema is pydantic's ``model_json_schema`` made plain: references inlined (Helm's
 validator reads one document, and the section sits below ``properties.config``), titles and
@@ -23,10 +23,10 @@ from pydantic import TypeAdapter
 
 from extproc.config import Config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VALUES_SCHEMA = ROOT / "helm" / "extproc" / "values.schema.json"
 README = ROOT / "README.md"
-BEGIN = ("<!-- config-reference: generated from extproc/config.py by `make config-schema`;"
+BEGIN = ("<!-- config-reference: generated from extproc/config/ by `make config-schema`;"
          " tests/test_config_schema.py keeps it so -->")
 END = "<!-- /config-reference -->"
 
@@ -91,7 +91,7 @@ def chart_schema() -> dict[str, Any]:
     out["properties"]["ledger"]["description"] = (
         "Tuning of the ledger; its connection (kind, url, username, password*) comes from"
         " redis.*.")
-    return {"description": "extproc's configuration (extproc/config.py)", **out,
+    return {"description": "extproc's configuration (extproc/config/)", **out,
             "required": ["pools"]}
 
 
@@ -166,7 +166,7 @@ def _dump(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extproc.configschema",
+    parser = argparse.ArgumentParser(prog="python -m extproc.config.schema",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 if a generated file is out of date")
