@@ -76,6 +76,7 @@ __all__ = [
     "load",
 ]
 
+
 class Mode(StrEnum):
     ENFORCE = "enforce"  # reject what would miss its deadline
     SHADOW = "shadow"  # decide, record and count, but always continue
@@ -102,6 +103,10 @@ class Api(StrEnum):
     TGI_GENERATE = "tgi_generate"
 
 
+def _zero_is_none(value: Any) -> Any:
+    return None if value == 0 and not isinstance(value, bool) else value
+
+
 @dataclass(frozen=True, config=MODEL)
 class ClassPolicy:
     """A service class. ``latency``: interactive, with a time-to-first-token objective;
@@ -112,7 +117,7 @@ class ClassPolicy:
     """Deadline of its requests unless the client's deadline header names a shorter one."""
     safety_factor: Fraction = 0.8
     """Admit only when the predicted completion fits in this share of the deadline."""
-    ttft_ms: Annotated[NonNegative | None, BeforeValidator(lambda v: v or None)] = None
+    ttft_ms: Annotated[NonNegative | None, BeforeValidator(_zero_is_none)] = None
     """Time-to-first-token objective (0 or absent: none)."""
     batch: Flag = False
     """Batch work: takes only capacity the interactive classes' measured demand leaves, never a

@@ -12,9 +12,9 @@ from pydantic import BeforeValidator, ConfigDict, Strict, WithJsonSchema
 from extproc.config.rules import Rule, problem, within
 from extproc.share import LEVELS, MAX_LEVEL, parse_priority
 
-# Every section: unknown keys are errors; ``class`` and the like are read by their alias and,
-# from code, by the attribute's name; each attribute's docstring is its description.
-MODEL = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True,
+# Every section: unknown keys are errors; a key with an alias (routes' ``class``) is read by
+# the alias alone, as the schema says; each attribute's docstring is its description.
+MODEL = ConfigDict(extra="forbid", validate_by_alias=True, validate_by_name=False,
                    use_attribute_docstrings=True)
 
 Int = Annotated[int, Strict()]

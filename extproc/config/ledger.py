@@ -8,25 +8,10 @@ from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self, cast
 
-from pydantic import (
-    BeforeValidator,
-    Field,
-    WithJsonSchema,
-    model_validator,
-)
+from pydantic import BeforeValidator, Field, WithJsonSchema, model_validator
 from pydantic.dataclasses import dataclass
 
-from extproc.config.fields import (
-    MODEL,
-    File,
-    Flag,
-    Int,
-    Named,
-    NonNegative,
-    Num,
-    Positive,
-    Text,
-)
+from extproc.config.fields import MODEL, File, Flag, Int, Named, NonNegative, Num, Positive, Text
 from extproc.config.rules import Problem, Rule, early, fail, problem, within
 
 

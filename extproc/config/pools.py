@@ -194,6 +194,8 @@ class Pool:
             fail([Problem(("long_output_tokens",), f"must be >= expected_output_tokens"
                           f" ({mean:g}) (got {long:g})", show=False)])
         return self
+
+
 @dataclass(frozen=True, config=MODEL)
 class CapacityConfig:
     """Where ready replicas come from (see extproc.capacity)."""
@@ -235,7 +237,7 @@ def _policy_key(f: dataclasses.Field[Any], doc: str) -> Any:
 _AUTOSCALE_SECTION: type[BaseModel] = create_model(
     "Autoscale", __config__=ConfigDict(extra="forbid"),
     window_s=(Positive, Field(default=15.0, description="The control window.")),
-    **{f.name: _policy_key(f, _line_comments(ScalingPolicy).get(f.name, ""))
+    **{f.name: _policy_key(f, doc.get(f.name, "")) for doc in [_line_comments(ScalingPolicy)]
        for f in dataclasses.fields(ScalingPolicy)})
 
 

@@ -7,24 +7,10 @@ from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Self, cast
 
-from pydantic import (
-    BeforeValidator,
-    Field,
-    WithJsonSchema,
-    model_validator,
-)
+from pydantic import BeforeValidator, Field, WithJsonSchema, model_validator
 from pydantic.dataclasses import dataclass
 
-from extproc.config.fields import (
-    MODEL,
-    Flag,
-    Header,
-    Int,
-    Level,
-    Named,
-    Positive,
-    Text,
-)
+from extproc.config.fields import MODEL, Flag, Header, Int, Level, Named, Positive, Text
 from extproc.config.rules import Problem, Rule, early, within
 
 
