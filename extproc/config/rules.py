@@ -14,6 +14,9 @@ Three ways a problem is found, all reported together where pydantic allows:
 - ``early(raw, handler, problems)``: problems seen in the raw mapping of a section (a key that
   belongs to another ``kind``), reported with the section's own field problems;
 - ``fail(problems)`` from a model validator: cross-field problems, once the fields are valid.
+
+``Section(model, build)`` lets a file write a plain object (the engine model, the autoscaling
+policy) as a flat pydantic model's keys, checked and described by that model.
 """
 
 from __future__ import annotations
