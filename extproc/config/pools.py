@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, Self, cast
 
 from pydantic import (
@@ -34,7 +34,7 @@ from extproc.config.fields import (
     Positive,
     Text,
 )
-from extproc.config.rules import Problem, Rule, Section, fail, problem, within
+from extproc.config.rules import Problem, Rule, Section, early, fail, problem, within
 from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
 
@@ -149,6 +149,11 @@ def _engine(section: BaseModel) -> EngineModel:
     return dataclasses.replace(PRESETS[values.pop("preset")], **values)
 
 
+# Pool keys of the first cost model, now in the engine section under vLLM's names.
+_MOVED_TO_ENGINE = {"max_running": "max_num_seqs", "prefill_ms_per_token": "ms_per_token",
+                    "itl_ms_at_1": "step_base_ms", "itl_ms_per_running": "ms_per_seq"}
+
+
 @dataclass(frozen=True, config=MODEL)
 class Pool:
     """Replicas serving one model, and the model of one replica (``extproc.engine``)."""
@@ -186,6 +191,15 @@ class Pool:
 
     def serves(self, model: str) -> bool:
         return model in self.models or "*" in self.models
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _first_cost_model_keys(cls, raw: Any, handler: Callable[[Any], Self]) -> Self:
+        """Pool keys of the first cost model say where they went (not just "unknown key")."""
+        found = [Problem((old,), f"moved to engine.{new} (see extproc.engine)", show=False)
+                 for old, new in _MOVED_TO_ENGINE.items()
+                 if isinstance(raw, Mapping) and old in raw]
+        return cast(Self, early(raw, handler, found, drop=_MOVED_TO_ENGINE))
 
     @model_validator(mode="after")
     def _long_is_not_below_the_mean(self) -> Self:
