@@ -131,7 +131,7 @@ def _engine_key(f: dataclasses.Field[Any]) -> Any:
     kind = type(getattr(EngineModel(), f.name))
     typed: Any = {bool: Flag, int: Int, float: Num}[kind]
     if kind is not bool:
-        typed = Annotated[typed, within(ge=1 if f.name in _ENGINE_COUNTS else 0)]
+        typed = Annotated[typed, within(gt=0) if f.name in _ENGINE_COUNTS else within(ge=0)]
     return (typed | None, Field(default=None, description=_ENGINE_DOCS[f.name] + " Default: the"
                                 " preset's."))
 
