@@ -9,7 +9,7 @@ IMAGE   ?= envoy-llm-admission
 VERSION := $(shell sed -n 's/^appVersion: "\(.*\)"/\1/p' helm/extproc/Chart.yaml)
 
 .PHONY: setup system-packages demo test check lint typecheck chaos bench bench-memory eval clean \
-	image-name image image-test test-fast
+	image-name image image-test test-fast config-schema
 
 setup: $(STAMP) system-packages
 
@@ -44,6 +44,11 @@ test: lint typecheck
 # Unit tests only: no Envoy, Redis, helm or child processes (seconds, not minutes).
 test-fast: setup
 	$(PY) -m pytest -q -m 'not integration and not redis and not slow and not soak and not chaos and not image'
+
+# The chart's values.schema.json `config` section and the README's table of every key, written
+# from extproc/config/'s models (tests/test_config_schema.py fails when they differ).
+config-schema: setup
+	$(PY) -m extproc.config.schema
 
 lint: setup
 	$(VENV)/bin/ruff check .

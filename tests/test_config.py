@@ -47,6 +47,14 @@ def test_missing_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
         config.from_mapping({"pools": [{"name": "a", "tokenizer": str(tmp_path / "nope")}]})
 
 
+def test_keys_of_the_first_cost_model_say_where_they_went() -> None:
+    with pytest.raises(ConfigError) as err:
+        config.from_mapping({"pools": [{"name": "a", "max_running": 8, "replicas": -1}]})
+    assert err.value.problems == [
+        "pools[0].max_running: moved to engine.max_num_seqs (see extproc.engine)",
+        "pools[0].replicas: must be >= 0 (got -1)"]
+
+
 def test_duplicate_pool_names_are_refused() -> None:
     with pytest.raises(ConfigError, match="duplicate name 'a'"):
         config.from_mapping({"pools": [{"name": "a"}, {"name": "a"}]})

@@ -231,7 +231,7 @@ def _names(cls: type) -> set[str]:
 
 
 def test_values_schema_knows_every_key_extproc_reads() -> None:
-    """values.schema.json refuses unknown config keys, so it must track extproc/config.py:
+    """values.schema.json refuses unknown config keys, so it must track extproc/config/:
     a key added there (or here) without the other fails this test."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     cfg = schema["properties"]["config"]["properties"]
