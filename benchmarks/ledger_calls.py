@@ -17,6 +17,7 @@ Method, in one run so that the figures are comparable: one ``redis-server`` (fre
   ``snapshot``; releases still batched): what each of the two levers gives; ``--fresh-ms``
   adds columns with other bounds.
 
+Each variant runs ``--repeat`` times, interleaved, and each figure is the median of its runs.
 Phases per variant (each after ``CONFIG RESETSTAT``, read back with ``INFO commandstats``):
 
 - ``saturating``: ``--concurrency`` closed-loop clients, each admitting and at once settling
@@ -34,7 +35,8 @@ view was older than ``FRESH_MS``, or a decision other than an admission was deci
 Usage::
 
     python benchmarks/ledger_calls.py [--base REV] [--requests 4000] [--concurrency 32]
-                                      [--rate 200] [--hold-ms 20] [--out FILE]
+                                      [--rate 200] [--hold-ms 20] [--repeat 3]
+                                      [--fresh-ms MS ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -179,6 +182,14 @@ def base_rev(asked: str | None) -> str:
     return found.stdout.strip()
 
 
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the runs of one variant (the runs kept too)."""
+    out: dict[str, Any] = {"code": runs[0]["code"], "runs": runs}
+    for ph in ("saturating", "moderate"):
+        out[ph] = {key: statistics.median(r[ph][key] for r in runs) for key in runs[0][ph]}
+    return out
+
+
 def run_variant(name: str, url: str, args: argparse.Namespace, base: Path) -> dict[str, Any]:
     env = dict(os.environ)
     code = base if name == "before" else ROOT
@@ -203,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rate", type=float, default=200.0, help="moderate phase, requests/s")
     p.add_argument("--hold-ms", type=float, default=20.0, help="moderate phase hold")
+    p.add_argument("--repeat", type=int, default=3, help="runs per variant (medians shown)")
     p.add_argument("--fresh-ms", type=float, nargs="*", default=[],
                    help="more 'after' columns with these FRESH_MS bounds")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/ledger_calls.json"))
@@ -220,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         variants = [*VARIANTS, *(f"after, FRESH_MS={ms:g}" for ms in args.fresh_ms)]
-        results = {name: run_variant(name, server.url, args, Path(tmp)) for name in variants}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+        for _ in range(args.repeat):  # interleaved: the machine's other load hits each alike
+            for name in variants:
+                runs[name].append(run_variant(name, server.url, args, Path(tmp)))
+    results = {name: median_of(done) for name, done in runs.items()}
     commit = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout.strip()
     report = {"benchmark": "ledger_calls", "base": f"{rev} ({commit})",
