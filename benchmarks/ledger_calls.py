@@ -23,7 +23,11 @@ Phases per variant (each after ``CONFIG RESETSTAT``, read back with ``INFO comma
 - ``saturating``: ``--concurrency`` closed-loop clients, each admitting and at once settling
   one request after another (short chat prompt, a pool large enough to admit them all);
 - ``moderate``: an open loop, Poisson arrivals at ``--rate`` requests/s, each held
-  ``--hold-ms`` before it is settled.
+  ``--hold-ms`` before it is settled;
+- ``two gateways``: two gates (each its own ledger client) on one pool of 4 slots, 16
+  closed-loop clients alternating between them, admissions held ``--hold-ms``: each gate's
+  view misses the other's latest changes; the share admitted, reserve calls per decision
+  (above 1: refused reserves decided again) and snapshot calls per decision.
 
 Per phase: Redis calls per admitted request (the script calls the ledger sent: EVALSHA and
 EVAL in commandstats) and Redis commands (those plus the commands the scripts ran), client
@@ -57,6 +61,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("before", "after", "after, FRESH_MS=0")
+PHASES = ("saturating", "moderate", "two gateways")
+DEADLINE_MS = float(os.environ.get("LEDGER_CALLS_DEADLINE_MS", "3000"))
+LONG = json.dumps({"model": "m", "max_tokens": int(os.environ.get("LEDGER_CALLS_TOKENS", "256")),
+                   "messages": [{"role": "user", "content": "Tell a story."}]}).encode()
 BODY = json.dumps({"model": "m", "max_tokens": 16,
                    "messages": [{"role": "user", "content": "Say hello in one word."}]}).encode()
 
@@ -128,6 +136,70 @@ async def phase(gate: Any, admin: Any, metrics: Any, name: str, requests: int,
     }
 
 
+async def two_gateways(url: str, requests: int, concurrency: int,
+                       hold_s: float) -> dict[str, float]:
+    """Two gates (two replicas' worth) on one pool too small for the load: each decides on a
+    view that misses the other's latest changes, and the reserve refuses what no longer fits."""
+    import redis
+
+    from extproc import config
+    from extproc.capacity import StaticCapacity
+    from extproc.gate import Gate
+    from extproc.ledger.redis import RedisLedger
+    from extproc.metrics import Metrics
+
+    small = settings(url)
+    small["pools"] = [{"name": "llm", "replicas": 1, "bytes_per_token": 4.0,
+                       "engine": {"max_num_seqs": 4}}]
+    small["classes"] = {"latency": {"deadline_ms": DEADLINE_MS}}
+    cfg = config.from_mapping(small)
+    gates = []
+    for _ in range(2):
+        ledger = RedisLedger.from_config(cfg.ledger, ["llm"])
+        gates.append((Gate(cfg, ledger, StaticCapacity(cfg.pools), Metrics()), ledger))
+    route = cfg.route("/v1/chat/completions")
+    admin = redis.Redis.from_url(url)
+    admitted = decided = 0
+
+    async def client(i: int) -> None:
+        nonlocal admitted, decided
+        for k in range(requests // concurrency):
+            gate = gates[(i + k) % 2][0]
+            verdict = await gate.check(route, "/v1/chat/completions", {}, LONG)
+            decided += 1
+            if verdict.ticket is not None:
+                admitted += 1
+                await asyncio.sleep(hold_s)
+                await gate.settle(verdict.ticket)
+            else:
+                await asyncio.sleep(hold_s / 4)
+
+    def calls(op: str) -> float:
+        return sum(g.metrics.registry.get_sample_value(
+            "extproc_ledger_call_duration_seconds_count", {"op": op}) or 0.0 for g, _ in gates)
+
+    try:
+        admin.config_resetstat()
+        wall = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+        wall = time.perf_counter() - wall
+        await asyncio.sleep(0.05)
+        stats = admin.info("commandstats")
+        scripts = sum(stats.get(k, {}).get("calls", 0)
+                      for k in ("cmdstat_evalsha", "cmdstat_eval"))
+        assert (await gates[0][1].snapshot("llm")).inflight == 0
+    finally:
+        for _, ledger in gates:
+            await ledger.close()
+        admin.close()
+    return {"decided": decided, "admitted": admitted,
+            "admitted_share": admitted / decided,
+            "redis_calls_per_decision": scripts / decided,
+            "reserve_calls_per_decision": calls("reserve") / decided,
+            "snapshot_calls_per_decision": calls("snapshot") / decided,
+            "admissions_per_s": admitted / wall}
+
+
 async def variant(url: str, requests: int, concurrency: int, rate: float,
                   hold_ms: float) -> dict[str, Any]:
     import redis
@@ -157,6 +229,7 @@ async def variant(url: str, requests: int, concurrency: int, rate: float,
     finally:
         await ledger.close()
         admin.close()
+    out["two gateways"] = await two_gateways(url, requests // 4, 16, hold_ms / 1000.0)
     return out
 
 
@@ -185,7 +258,7 @@ def base_rev(asked: str | None) -> str:
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over the runs of one variant (the runs kept too)."""
     out: dict[str, Any] = {"code": runs[0]["code"], "runs": runs}
-    for ph in ("saturating", "moderate"):
+    for ph in PHASES:
         out[ph] = {key: statistics.median(r[ph][key] for r in runs) for key in runs[0][ph]}
     return out
 
@@ -248,12 +321,18 @@ def main(argv: list[str] | None = None) -> int:
             ("client_cpu_us_per_admission", "client CPU µs / admission", "{:.0f}"),
             ("admissions_per_s", "admissions/s", "{:.0f}"),
             ("snapshot_calls_per_decision", "snapshot calls / decision", "{:.3f}"))
-    for ph in ("saturating", "moderate"):
-        what = (f"{args.concurrency} closed-loop clients" if ph == "saturating"
-                else f"{args.rate:g}/s open loop, held {args.hold_ms:g} ms")
-        print(f"\n{ph} ({what})")
+    contended_rows = (("admitted_share", "admitted / decision", "{:.3f}"),
+                      ("redis_calls_per_decision", "Redis calls / decision", "{:.2f}"),
+                      ("reserve_calls_per_decision", "reserve calls / decision", "{:.3f}"),
+                      ("snapshot_calls_per_decision", "snapshot calls / decision", "{:.3f}"),
+                      ("admissions_per_s", "admissions/s", "{:.0f}"))
+    whats = {"saturating": f"{args.concurrency} closed-loop clients",
+             "moderate": f"{args.rate:g}/s Poisson, held {args.hold_ms:g} ms",
+             "two gateways": f"16 clients over two gates, a 4-slot pool, held {args.hold_ms:g} ms"}
+    for ph in PHASES:
+        print(f"\n{ph} ({whats[ph]})")
         print(f"{'':30}" + "".join(f"{v:>20}" for v in variants))
-        for key, label, fmt in rows:
+        for key, label, fmt in contended_rows if ph == "two gateways" else rows:
             print(f"{label:30}" + "".join(f"{fmt.format(results[v][ph][key]):>20}"
                                           for v in variants))
     out = Path(args.out)
