@@ -60,8 +60,9 @@ RELEASE_CHUNK = 1_000  # deferred releases sent at once by ``reconcile`` (the le
 # The oldest snapshot a decision reuses from an earlier answer (``recent``), counted from when
 # its call was sent; older, it calls ``snapshot``. 0 turns the reuse off. Why 20 ms and not 5:
 # on a busy event loop an answer waits milliseconds before it is read (a snapshot call's answer
-# as much), and 5 ms left 31-72 % of decisions calling ``snapshot`` where 20 ms left 0.1-2.5 %
-# (benchmarks/ledger_calls.py, --fresh-ms). A module constant, not a setting.
+# as much), and 5 ms left 19-75 % of decisions calling ``snapshot`` where 20 ms left 0.1-10 %
+# (benchmarks/ledger_calls.py --fresh-ms 5: 32 closed-loop clients, and 200/s Poisson; seven
+# runs on a shared 2-core machine). A module constant, not a setting.
 FRESH_MS = 20.0
 T = TypeVar("T")
 
