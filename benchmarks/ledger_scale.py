@@ -43,7 +43,7 @@ import redis  # noqa: E402
 
 from extproc import config  # noqa: E402
 from extproc.ledger import Entry  # noqa: E402
-from extproc.ledger.redis import RedisLedger  # noqa: E402
+from extproc.ledger.redis import _RESERVE, RedisLedger  # noqa: E402
 
 SIZES = (10, 1_000, 100_000)
 LEASE_MS = 3_600_000.0
@@ -57,11 +57,13 @@ def fill(url: str, prefix: str, pool: str, n: int) -> None:
     client = redis.Redis.from_url(url)
     ledger = RedisLedger(None, key_prefix=prefix)
     keys = ledger.keys(pool)
-    sha = client.script_load((ROOT / "extproc/ledger/reserve.lua").read_text())
+    sha = client.script_load(_RESERVE.source)  # as the ledger sends it: helpers in front
     for start in range(0, n, 5_000):
         pipe = client.pipeline(transaction=False)
         for i in range(start, min(n, start + 5_000)):
-            pipe.evalsha(sha, 3, *keys, f"fill-{i}", repr(COST_MS), repr(LEASE_MS), "")
+            # id, cost, lease, no ceiling, no KV tokens, no count, no groups
+            pipe.evalsha(sha, len(keys), *keys, f"fill-{i}", repr(COST_MS), repr(LEASE_MS),
+                         "", "0", "", "")
         pipe.execute()
     assert client.zcard(keys[0]) == n
     client.close()

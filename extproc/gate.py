@@ -38,6 +38,17 @@ is unavailable (``LedgerUnavailable``, or the deadline passed) the configured po
 Both are counted (``extproc_ledger_unavailable_decisions_total``) and logged once per outage,
 never with request content.
 
+One round trip per admission. A ledger whose answers carry the pool's snapshot (Redis:
+``Leases.recent``) saves the snapshot call: the decision reuses the newest such snapshot while
+it is at most ``leases.FRESH_MS`` old. Such a view may miss what other gateways (and this one's
+calls still in flight) did in those milliseconds, so only a decision the reserve checks again
+atomically stands on it: an enforced admission, recorded only if the pool at that instant is
+still within its ceiling, count and caps (as for any snapshot, which is always a little old by
+the time its reserve lands). Any other outcome (a refusal, shadow mode, a pass) is decided again
+on a snapshot read for this decision, and a reserve refused on a reused view does not count as
+an attempt: its answer carries the pool as the reserve found it, the next attempt's input. So a
+refusal, ``contended`` included, is always decided on a view as of after the request arrived.
+
 Why this module passes the house's ~400 lines: it is one decision's orchestration (check,
 price, admit and reserve, the fault policy, settle) and reads top to bottom as that path; each
 job with a model of its own already lives apart (pricing, leases, verdict, step, enginestats).
@@ -305,12 +316,14 @@ class Gate:
         sent = False  # a reserve went out: it may have landed even if no answer came back
         learning = self.learning[pool.name]
         leases = self.leases
+        began = time.monotonic()  # a snapshot sent for after this is current (module docstring)
         try:
             async with asyncio.timeout(self.config.ledger.decision_deadline_ms / 1000.0):
                 if leases.owed():
                     await leases.reconcile()
-                for _ in range(RESERVE_ATTEMPTS):
-                    snapshot = await leases.call("snapshot", self.ledger.snapshot(pool.name))
+                read, attempts = False, 0  # read: call ``snapshot``, reuse none
+                while True:
+                    snapshot, current = await self._snapshot(pool.name, began, read)
                     leases.saw(pool.name, snapshot)
                     self.metrics.outstanding.labels(pool.name).set(
                         snapshot.outstanding_ms / 1000.0)
@@ -318,6 +331,10 @@ class Gate:
                     fix = self._engine_correction(pool, snapshot, engines)
                     verdict = self._verdict(admit(ask, pool, self.config, learning, snapshot,
                                                   replicas, self._clock(), fix), pool.name)
+                    if not current and not (verdict.enforced
+                                            and verdict.outcome is Outcome.ADMIT):
+                        read = True  # the reserve would not check it again: decide on a read
+                        continue
                     if verdict.blocks:
                         return verdict
                     entry = self._entry(request_id, pool.name, verdict)
@@ -333,8 +350,13 @@ class Gate:
                                                                         caps)):
                         return dataclasses.replace(verdict,
                                                    ticket=self._ticket(entry, verdict))
-                    # Refused: another gateway took the room since our snapshot. Again.
-                return contended(verdict)
+                    # Refused: another gateway took the room since our snapshot. Again, on the
+                    # pool as the refusal found it (its answer) or a fresh read.
+                    if current:
+                        attempts += 1
+                    if attempts >= RESERVE_ATTEMPTS:
+                        return contended(verdict)
+                    read = False  # the refusal's answer is current
         except (LedgerUnavailable, TimeoutError) as exc:
             return self._unavailable(exc, request_id if sent else None, pool, ask, replicas,
                                      engines)
@@ -342,6 +364,15 @@ class Gate:
             if sent:  # the stream went away mid-decision: undo a reserve that may have landed
                 leases.defer_release(request_id, pool.name)
             raise
+
+    async def _snapshot(self, pool: str, began: float, read: bool) -> tuple[Snapshot, bool]:
+        """The snapshot to decide on, and whether it is current (its call was sent after the
+        decision began): the recent one if there is one and ``read`` is off, else a read."""
+        recent = None if read else self.leases.recent(pool)
+        if recent is None:
+            return await self.leases.call("snapshot", self.ledger.snapshot(pool)), True
+        snapshot, age = recent
+        return snapshot, age <= time.monotonic() - began
 
     def _verdict(self, adm: Admission, pool: str) -> Verdict:
         return Verdict(adm.outcome, adm.reason, pool, adm.service_class, adm.decision,

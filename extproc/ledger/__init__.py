@@ -25,6 +25,11 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 - Groups (``entry.groups``: its priority and tenant, ``extproc.share``) are counted with the
   totals, in the same atomic steps; a group whose last entry goes leaves nothing behind.
 
+A shared ledger may also offer ``recent(pool)`` (``Recent``; the Redis ledger does): the
+pool's newest snapshot that came back with any of its answers, and its age. The gate may
+decide on it instead of calling ``snapshot`` (``extproc.gate``); what it decides and records
+is the same contract.
+
 Leases are measured by the ledger's own clock, never the caller's. The gateway gives each
 entry a short lease (``ledger.liveness_ms``) and renews its live entries by heartbeat, so the
 entries of a replica that died lapse within seconds (``extproc.leases``).
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from extproc.admission import Snapshot
 
@@ -79,4 +84,12 @@ class Ledger(Protocol):
     async def close(self) -> None: ...
 
 
-__all__ = ["Cap", "Entry", "Ledger", "Snapshot"]
+@runtime_checkable
+class Recent(Protocol):
+    def recent(self, pool: str) -> tuple[Snapshot, float] | None:
+        """The pool's newest snapshot from any answer and its age in seconds (every change
+        committed more than that long ago is in it); None when there is none."""
+        ...
+
+
+__all__ = ["Cap", "Entry", "Ledger", "Recent", "Snapshot"]

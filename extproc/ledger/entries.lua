@@ -29,3 +29,7 @@ local function uncount(key, groups, cost)  -- one entry of cost leaves its group
     end
   end
 end
+local function view(leases, total, kv, groups)  -- the pool as snapshot.lua reads it
+  return {redis.call('ZCARD', leases), redis.call('GET', total) or '0',
+          tonumber(redis.call('GET', kv) or '0'), redis.call('HGETALL', groups)}
+end

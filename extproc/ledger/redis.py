@@ -19,7 +19,18 @@ with the helpers of ``entries.lua`` in front):
 ``sweep_batch`` lapsed entries per call, ``snapshot`` reads the count and the totals together.
 The totals are aggregates the scripts keep, never a sum over members, so each call costs
 O(log n) whatever the load. Lease ends come from Redis's ``TIME``: gateway clocks never matter.
-Python decides the ceiling; Lua only checks it. Scripts are sent by SHA (EVALSHA); a server
+Python decides the ceiling; Lua only checks it.
+
+One round trip per admission: ``reserve`` and ``release`` answer with the pool's snapshot as
+it stands after them (the view ``snapshot`` reads), and the ledger keeps the newest per pool
+with the time its call was sent (``recent``): every change Redis committed before that instant
+is in it. The gate decides on it while it is young (``extproc.gate``) instead of calling
+``snapshot`` first. Releases are queued and sent together (``_flush``): whatever was queued
+while the previous batch was in flight goes in one script call per pool (``BATCH`` ids at
+most), each id answered on its own, exactly once; a queued release is sent even if its caller
+is cancelled, and ``close`` sends what is still queued.
+
+Scripts are sent by SHA (EVALSHA); a server
 that lost them (restart, failover, SCRIPT FLUSH) answers NOSCRIPT and gets the source once
 (EVAL caches it again, on the node owning the keys).
 
@@ -47,7 +58,9 @@ import hashlib
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -95,7 +108,18 @@ class _Script:
 _RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT, _HEARTBEAT = (
     _Script(n) for n in ("reserve", "release", "renew", "adjust", "expire", "snapshot",
                          "heartbeat"))
-HEARTBEAT_BATCH = 500  # ids per heartbeat script call: one call never holds Redis long
+BATCH = 500  # ids per heartbeat or release script call: one call never holds Redis long
+_Waiting = tuple[str, "asyncio.Future[bool]"]  # a queued release: its id, its caller's answer
+
+
+@dataclass(slots=True)
+class _Seen:
+    """A pool's newest snapshot from a script's answer: ``sent`` (``time.monotonic``) is when
+    its call went out, so every change committed before then is in it. Parsed when read."""
+
+    sent: float
+    raw: Any
+    snapshot: Snapshot | None = None
 
 
 def _group(name: str) -> str:
@@ -126,6 +150,9 @@ class RedisLedger:
         self._pools: dict[str, None] = dict.fromkeys(pools)  # ordered set
         self._inspected = False
         self.eviction_policy: str | None = None  # as found by ``check``; None if unknown
+        self._seen: dict[str, _Seen] = {}  # pool -> its newest snapshot (``recent``)
+        self._releases: dict[str, list[_Waiting]] = {}  # pool -> releases queued (``_flush``)
+        self._flushing: asyncio.Task[None] | None = None
 
     @classmethod
     def from_config(cls, config: LedgerConfig, pools: Iterable[str], *,
@@ -156,10 +183,55 @@ class RedisLedger:
             args += [_group(cap.group),
                      "" if cap.max_inflight is None else str(int(cap.max_inflight)),
                      "" if cap.max_ms is None else _num(cap.max_ms)]
-        return bool(await self._run("reserve", _RESERVE, self.keys(entry.pool), args))
+        sent = time.monotonic()
+        ok, raw = await self._run("reserve", _RESERVE, self.keys(entry.pool), args)
+        self._saw(entry.pool, _Seen(sent, raw))
+        return bool(ok)
 
     async def release(self, request_id: str, pool: str) -> bool:
-        return bool(await self._run("release", _RELEASE, self.keys(pool), (request_id,)))
+        """Queued, and sent with the other releases queued meanwhile (``_flush``); the answer
+        is this id's own. Cancelling the caller does not take it back out of the queue."""
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._releases.setdefault(pool, []).append((request_id, answer))
+        if self._flushing is None:
+            self._flushing = asyncio.create_task(self._flush())
+        return await answer
+
+    async def _flush(self) -> None:
+        """Send the queued releases until none is left: one script call per pool and
+        ``BATCH`` ids (calls for several pools or batches at once), one flush at a time. It
+        starts on the loop's next turn, so every release queued this turn joins; those queued
+        while it is in flight go in its next round."""
+        try:
+            while self._releases:
+                queued, self._releases = self._releases, {}
+                await asyncio.gather(*(
+                    self._release_batch(pool, waiting[i:i + BATCH])
+                    for pool, waiting in queued.items()
+                    for i in range(0, len(waiting), BATCH)))
+        finally:
+            self._flushing = None
+            left, self._releases = self._releases, {}  # only when cancelled (closing)
+            for waiting in left.values():
+                _answer_all(waiting, LedgerUnavailable(
+                    f"redis release: not sent, the ledger is closing ({self.where})"))
+
+    async def _release_batch(self, pool: str, waiting: Sequence[_Waiting]) -> None:
+        sent = time.monotonic()
+        try:
+            done, raw = await self._run("release", _RELEASE, self.keys(pool),
+                                        [rid for rid, _ in waiting])
+        except LedgerUnavailable as exc:
+            _answer_all(waiting, exc)
+            return
+        except BaseException:
+            _answer_all(waiting, LedgerUnavailable(
+                f"redis release: cancelled before an answer ({self.where})"))
+            raise
+        self._saw(pool, _Seen(sent, raw))
+        for (_, answer), ok in zip(waiting, done, strict=True):
+            if not answer.done():
+                answer.set_result(bool(ok))
 
     async def renew(self, request_id: str, pool: str, lease_ms: float) -> bool:
         leases = self.keys(pool)[0]
@@ -169,8 +241,8 @@ class RedisLedger:
                         lease_ms: float) -> list[str]:
         leases = self.keys(pool)[0]
         missing: list[str] = []
-        for i in range(0, len(request_ids), HEARTBEAT_BATCH):
-            batch = request_ids[i:i + HEARTBEAT_BATCH]
+        for i in range(0, len(request_ids), BATCH):
+            batch = request_ids[i:i + BATCH]
             gone = await self._run("heartbeat", _HEARTBEAT, (leases,), (_num(lease_ms), *batch))
             missing += [_text(g) for g in gone]
         return missing
@@ -198,14 +270,29 @@ class RedisLedger:
 
     async def snapshot(self, pool: str) -> Snapshot:
         leases, _, total, kv, groups = self.keys(pool)
-        count, outstanding, tokens, flat = await self._run(
-            "snapshot", _SNAPSHOT, (leases, total, kv, groups), ())
-        counted: dict[str, tuple[int, float]] = {}
-        for name, value in zip(flat[::2], flat[1::2], strict=True):
-            n, work = _text(value).split(" ", 1)
-            counted[_text(name)] = (int(n), float(work))
-        return Snapshot(inflight=int(count), outstanding_ms=float(outstanding),
-                        kv_tokens=int(tokens), groups=counted)
+        sent = time.monotonic()
+        raw = await self._run("snapshot", _SNAPSHOT, (leases, total, kv, groups), ())
+        seen = _Seen(sent, raw, _snapshot(raw))
+        self._saw(pool, seen)
+        assert seen.snapshot is not None
+        return seen.snapshot
+
+    def recent(self, pool: str) -> tuple[Snapshot, float] | None:
+        """The pool's newest snapshot from any answer (``reserve``, ``release``, ``snapshot``)
+        and its age in seconds: how long ago its call was sent. None when none came since the
+        last failure."""
+        seen = self._seen.get(pool)
+        if seen is None:
+            return None
+        if seen.snapshot is None:
+            seen.snapshot = _snapshot(seen.raw)
+        return seen.snapshot, time.monotonic() - seen.sent
+
+    def _saw(self, pool: str, seen: _Seen) -> None:
+        """Keep the answer whose call was sent last: answers may come back out of order."""
+        kept = self._seen.get(pool)
+        if kept is None or seen.sent >= kept.sent:
+            self._seen[pool] = seen
 
     async def check(self) -> None:
         """Probe every known pool (the health signal); the first success also inspects the
@@ -217,6 +304,9 @@ class RedisLedger:
             await self._inspect()
 
     async def close(self) -> None:
+        """Send the releases still queued (bounded by ``timeout_ms``), then disconnect."""
+        if self._flushing is not None:
+            await asyncio.wait([self._flushing])
         for client in (self._client, *self._extra):
             try:
                 await client.aclose()
@@ -242,6 +332,7 @@ class RedisLedger:
             raise
         except _FAILURES as exc:
             self.breaker.failure()
+            self._seen.clear()  # a view from before a failure is never decided on
             _restore_cancellation(exc)
             raise LedgerUnavailable(f"redis {op} failed ({self.where}):"
                                     f" {type(exc).__name__}: {exc}") from exc
@@ -297,6 +388,23 @@ def _restore_cancellation(cause: BaseException | None) -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError() from cause
+
+
+def _snapshot(raw: Any) -> Snapshot:
+    """A snapshot as the scripts send it: count, total, KV tokens, flat group counts."""
+    count, outstanding, tokens, flat = raw
+    counted: dict[str, tuple[int, float]] = {}
+    for name, value in zip(flat[::2], flat[1::2], strict=True):
+        n, work = _text(value).split(" ", 1)
+        counted[_text(name)] = (int(n), float(work))
+    return Snapshot(inflight=int(count), outstanding_ms=float(outstanding),
+                    kv_tokens=int(tokens), groups=counted)
+
+
+def _answer_all(waiting: Iterable[_Waiting], exc: Exception) -> None:
+    for _, answer in waiting:
+        if not answer.done():
+            answer.set_exception(exc)
 
 
 def _policies(raw: Any) -> Iterable[str]:

@@ -15,22 +15,27 @@
 -- ARGV[6]  the most entries the pool may hold with this one (integer), or '' for no check
 -- ARGV[7]  the groups it counts in, space-separated (names hold no space), or ''
 -- ARGV[8..] caps, three arguments each: group, most entries ('' none), most work ms ('' none)
--- Returns 1 when recorded or already present (a retried reserve counts once), 0 when refused.
+-- Returns {1 when recorded or already present (a retried reserve counts once), 0 when refused;
+--          the pool's snapshot after it (as snapshot.lua)}: the next decision's input, without
+--          a snapshot call of its own (extproc.gate).
 --
 -- Arithmetic is IEEE double, as in the in-process ledger, and the total is stored with 17
 -- significant digits, so both ledgers compute bit-for-bit the same outstanding work.
 -- Leases use TIME (Redis's clock), never the caller's.
+local function answer(ok)
+  return {ok, view(KEYS[1], KEYS[3], KEYS[4], KEYS[5])}
+end
 local id = ARGV[1]
 if redis.call('ZSCORE', KEYS[1], id) then
-  return 1
+  return answer(1)
 end
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
 local cost = tonumber(ARGV[2])
 if ARGV[4] ~= '' and total + cost > tonumber(ARGV[4]) then
-  return 0
+  return answer(0)
 end
 if ARGV[6] ~= '' and redis.call('ZCARD', KEYS[1]) + 1 > tonumber(ARGV[6]) then
-  return 0
+  return answer(0)
 end
 local counts = {}  -- group -> {count, work} as they stand
 local function group(g)
@@ -48,10 +53,10 @@ end
 for i = 8, #ARGV, 3 do
   local c = group(ARGV[i])
   if ARGV[i + 1] ~= '' and c[1] + 1 > tonumber(ARGV[i + 1]) then
-    return 0
+    return answer(0)
   end
   if ARGV[i + 2] ~= '' and c[2] + cost > tonumber(ARGV[i + 2]) then
-    return 0
+    return answer(0)
   end
 end
 local t = redis.call('TIME')
@@ -68,4 +73,4 @@ end
 redis.call('HSET', KEYS[2], id, value)
 redis.call('SET', KEYS[3], string.format('%.17g', total + cost))
 redis.call('INCRBY', KEYS[4], ARGV[5])
-return 1
+return answer(1)

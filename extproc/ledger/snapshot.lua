@@ -1,5 +1,5 @@
 -- snapshot: the pool's in-flight count, outstanding work and KV tokens, read together
--- (consistent).
+-- (consistent). ``reserve`` and ``release`` send the same view back with their answers.
 --
 -- KEYS[1]  leases  sorted set: request id -> lease end, ms of Redis server time
 -- KEYS[2]  total   string: the pool's outstanding work in ms
@@ -7,5 +7,4 @@
 -- KEYS[4]  groups  hash: group -> "count work"
 -- Returns {count, total as a decimal string (Lua numbers would be truncated), kv,
 --          {group, "count work", ...}}.
-return {redis.call('ZCARD', KEYS[1]), redis.call('GET', KEYS[2]) or '0',
-        tonumber(redis.call('GET', KEYS[3]) or '0'), redis.call('HGETALL', KEYS[4])}
+return view(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
