@@ -954,6 +954,79 @@ def run_ledger_scale(out_dir: Path) -> dict[str, Any]:
             "json": str(out_dir / "ledger_scale.json")}
 
 
+# ---------------------------------------------------------------------------------------------
+# Where the processor's time goes: py-spy on configuration (d) under saturation
+
+
+# A sample is charged to the first of these found walking its stack from the leaf up (so
+# tokenizing called from the gate is "tokenize", not "gate"); the rest is "other".
+PROFILE_PARTS = (
+    ("tokenize", ("encode_batch", "estimate.py", "tokenizers")),
+    ("json parse", ("json/", "orjson", "request.py")),
+    ("redis client", ("redis/", "ledger/redis")),
+    ("metrics", ("prometheus_client", "metrics.py")),
+    ("logging", ("logging/",)),
+    ("tracing", ("telemetry.py", "opentelemetry")),
+    ("decision", ("step.py", "admission.py", "contention.py", "lengths.py", "learning.py",
+                  "share.py", "engine.py", "leases.py", "verdict.py", "ledger/")),
+    ("protobuf", ("protobuf", "_pb2")),
+    ("grpc", ("grpc/", "grpc_health")),
+    ("event loop", ("asyncio/", "uvloop")),
+)
+
+
+def profile_summary(raw: str, top: int = 15) -> dict[str, Any]:
+    """py-spy's collapsed stacks (``frame;frame;... count``) as shares: by part of the
+    request's path (``PROFILE_PARTS``) and the functions that spent the most themselves."""
+    parts: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        part = next((name for frame in reversed(frames) for name, marks in PROFILE_PARTS
+                     if any(m in frame for m in marks)), "other")
+        parts[part] = parts.get(part, 0) + n
+    share = (lambda n: round(100.0 * n / total, 1)) if total else (lambda n: 0.0)
+    return {"samples": total,
+            "parts_pct": {k: share(v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+            "top_self_pct": {k: share(v) for k, v in
+                             sorted(own.items(), key=lambda kv: -kv[1])[:top]}}
+
+
+def run_profile(bench: Bench, shape: Shape, bodies: Path, seconds: float,
+                out_dir: Path) -> dict[str, Any]:
+    """py-spy (``record --format raw``, 200 samples a second, every thread, idle ones left
+    out) on (d)'s processor while wrk saturates it; the stacks are kept next to the JSON
+    (``profile-SHAPE.txt``: load them into speedscope or flamegraph.pl)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    gw = bench.gateways.get("redis")
+    if gw is None or gw.processor is None:
+        return {"skipped": "configuration (d) not running"}
+    if not Path(spy).exists():
+        return {"skipped": "py-spy not installed (the dev extra)"}
+    out = out_dir / f"profile-{shape.name}.txt"
+    spy_proc = subprocess.Popen(
+        [spy, "record", "--pid", str(gw.processor.pid), "--duration", str(round(seconds)),
+         "--rate", "200", "--format", "raw", "--nonblocking", "--output", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # attached before the load starts
+    wrk = run_wrk(gw.url, bodies, seconds, f"dprof{uuid.uuid4().hex[:6]}")
+    _, err = spy_proc.communicate(timeout=seconds + 60)
+    quiesce(gw)
+    if spy_proc.returncode != 0 or not out.exists():
+        return {"skipped": f"py-spy failed ({spy_proc.returncode}): {err.strip()[-300:]}"}
+    summary = profile_summary(out.read_text())
+    summary["stacks"] = str(out)
+    summary["rps_while_profiled"] = round(wrk["requests"] / (wrk["duration_us"] / 1e6), 1)
+    return summary
+
+
 def run_shape(bench: Bench, shape: Shape, bodies: Path, args: argparse.Namespace,
               flip: bool) -> dict[str, dict[str, Cell]]:
     """Warm every configuration up, then ``ROUNDS`` rounds of saturation and of fixed rate,
@@ -1001,6 +1074,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     files = write_bodies(shapes, workdir)
     load_before = os.getloadavg()
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    profiles: dict[str, dict[str, Any]] = {}
     print(f"starting {len(variants)} gateways: {', '.join(v.key for v in variants)} ...",
           flush=True)
     try:
@@ -1008,6 +1082,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             setup_s = time.monotonic() - started
             for n, shape in enumerate(shapes.values()):
                 cells = run_shape(bench, shape, files[shape.name], args, flip=n % 2 == 1)
+                if args.profile > 0:
+                    print(f"  {shape.name:<5} profile of (d), {args.profile:g} s", flush=True)
+                    profiles[shape.name] = run_profile(bench, shape, files[shape.name],
+                                                       args.profile, out_dir)
                 results[shape.name] = {
                     key: {kind: cell.summary() for kind, cell in by_kind.items()}
                     for key, by_kind in sorted(cells.items(), key=lambda kv: _ORDER[kv[0]])}
@@ -1036,6 +1114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": results,
         "setup_s": round(setup_s, 1),
         "ledger_scale": ledger_scale,
+        "profiles": profiles,
     }
     report["ratios"] = ratios(results)
     report["targets"] = targets(results)
@@ -1214,6 +1293,13 @@ def print_report(report: Mapping[str, Any]) -> None:
         margin = "" if t["margin"] is None else f" (margin {t['margin']:+g})"
         note = f"  [{t['note']}]" if t.get("note") else ""
         print(f"  {t['verdict']:<4} {t['target']}: {value}{margin}{note}")
+    for shape, prof in report.get("profiles", {}).items():
+        if "parts_pct" not in prof:
+            print(f"Profile of (d), {shape}: {prof.get('skipped')}")
+            continue
+        parts = ", ".join(f"{k} {v:g}%" for k, v in prof["parts_pct"].items())
+        print(f"Profile of (d), {shape} ({prof['samples']} samples at"
+              f" {prof['rps_while_profiled']:g} req/s): {parts}")
     ls = report["ledger_scale"]
     print()
     if "output" in ls:
@@ -1233,6 +1319,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(v.key for v in VARIANTS))
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="shorter runs (a smoke test)")
+    p.add_argument("--profile", type=float, default=4.0, metavar="SECONDS",
+                   help="py-spy on (d) under saturation, per shape (0: off)")
     p.add_argument("--no-ledger-scale", dest="ledger_scale", action="store_false",
                    help="skip benchmarks/ledger_scale.py")
     args = p.parse_args(argv)

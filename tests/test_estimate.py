@@ -1,3 +1,5 @@
+import asyncio
+
 import pytest
 
 from extproc.config import Pool
@@ -62,3 +64,37 @@ def test_the_charge_is_max_tokens_times_choices_and_zero_for_embeddings() -> Non
     assert cost_of(Ask("latency", 10, None), pool, learning).output_tokens == 300
     embedding = cost_of(Ask("throughput", 10, None, prefill_only=True), pool, learning)
     assert (embedding.output_tokens, embedding.typical, embedding.promised) == (0, 0.0, 0.0)
+
+
+def test_requests_deciding_together_are_counted_in_one_batch(llama3_tokenizer: str) -> None:
+    """Batches: the texts of requests waiting at once go to the tokenizer together (a text
+    twice is looked up once); each request gets its own exact count, the same as counted alone,
+    and a text the tokenizer refuses fails its own request only."""
+    from extproc.errors import RequestError
+    from extproc.pricing import Batches
+
+    counter = TokenizerCounter(llama3_tokenizer)
+    alone = TokenizerCounter(llama3_tokenizer)
+    shared = "a system prompt every request of the conversation resends, long enough to cache"
+    texts = [[shared, f"question {i}: how many tokens are in this message?"] for i in range(5)]
+    calls: list[int] = []
+    real = counter.counts
+
+    def counting(batch: list[str]) -> list[int]:
+        calls.append(len(batch))
+        return real(batch)
+
+    counter.counts = counting  # type: ignore[method-assign]
+
+    async def main() -> list[int | BaseException]:
+        batches = Batches()
+        jobs = [batches.count(counter, t) for t in texts]
+        jobs.append(batches.count(counter, ["\ud800 not encodable"]))
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    *counts, refused = asyncio.run(main())
+    assert counts == [alone.count(t) for t in texts]
+    assert isinstance(refused, RequestError)
+    # the first request went at once; the other five waited together: 4 x 2 texts + 1
+    assert calls[:2] == [2, 9]
+    assert counter.cache_size == alone.cache_size
