@@ -100,6 +100,7 @@ from envoy_data_plane.envoy.config.endpoint.v3 import (
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import (
+    HeaderMatcher,
     Route,
     RouteAction,
     RouteConfiguration,
@@ -110,6 +111,8 @@ from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingH
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
+    ExtProcOverrides,
+    ExtProcPerRoute,
     HeaderForwardingRules,
     MetadataOptions,
     MetadataOptionsMetadataNamespaces,
@@ -140,10 +143,11 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptionsExplicitHttpConfig,
 )
 from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
-from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
+from envoy_data_plane.envoy.type.v3 import HttpStatus, Int64Range, Percent, StatusCode
 from envoy_data_plane.google.protobuf import Any as AnyProto
 
 from extproc.config import Config, TenantConfig, TenantSource
+from extproc.request import REQUEST_TIME, forwarded_headers, header_attribute
 
 BUFFER_SLACK_BYTES = 1024
 MAX_DOWNSTREAM_CONNECTIONS = 100_000
@@ -238,6 +242,9 @@ class Topology:
     http_filters: tuple[HttpFilter, ...] = ()
     extproc_tls: ExtprocTls | None = None  # mTLS towards the processor (its ``tls`` section)
     request_timeout_s: float = 30.0  # to receive a whole request (headers and body)
+    # One gRPC round trip per admission request whose headers condemn nothing (``_routes``);
+    # False: headers, then body, for every request (two trips)
+    one_trip: bool = True
 
 
 @dataclass(frozen=True)
@@ -363,8 +370,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         route_config=RouteConfiguration(name="inference", virtual_hosts=[VirtualHost(
             name="inference",
             domains=["*"],
-            routes=[Route(match=RouteMatch(prefix="/"),
-                          route=RouteAction(cluster="inference", timeout=_s(0)))],
+            routes=_routes(doc, config, topo.one_trip and topo.processor),
         )]),
         http_filters=[
             *topo.http_filters,
@@ -441,16 +447,42 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     ))
 
 
-def forwarded_headers(config: Config) -> tuple[str, ...]:
-    """The request headers the sidecar reads (server.py, gate.py, tenant.py, telemetry.py),
-    the only ones Envoy sends it. Pseudo-headers count as headers for Envoy's matcher."""
-    names = [":path", ":method", "content-type", "content-length", "content-encoding",
-             config.deadline_header, "traceparent", "tracestate"]
-    if config.tenant.source is TenantSource.HEADER:
-        names.append(config.tenant.header)
-    if config.priority.header is not None:
-        names.append(config.priority.header)
-    return tuple(dict.fromkeys(name.lower() for name in names))
+def _routes(doc: _Doc, config: Config, one_trip: bool) -> list[Route]:
+    """Every request goes to the inference cluster. With ``one_trip``, an admission path's
+    POST whose headers condemn nothing (a ``content-length`` from 1 to ``max_body_bytes``,
+    ``content-type: application/json``, no ``content-encoding``) takes a route whose ext_proc
+    skips the headers phase: the body alone goes to the sidecar, with the headers it reads
+    as attributes (``extproc.request.header_attribute``) and the request's start time. Any
+    other request keeps both phases, so what the headers condemn is answered at once (413,
+    415, a body-less POST's 400) and the rest is checked as before."""
+    upstream = RouteAction(cluster="inference", timeout=_s(0))
+    everything = Route(match=RouteMatch(prefix="/"), route=upstream)
+    if not one_trip:
+        return [everything]
+    overrides = ExtProcPerRoute(overrides=ExtProcOverrides(
+        processing_mode=doc.explicit(ProcessingMode(
+            request_header_mode=_HEADER.SKIP,
+            response_header_mode=_HEADER.SKIP,
+            request_body_mode=_BODY.BUFFERED_PARTIAL,
+            response_body_mode=_BODY.NONE,
+            request_trailer_mode=_HEADER.SKIP,
+            response_trailer_mode=_HEADER.SKIP,
+        ), "response_body_mode"),
+        request_attributes=[REQUEST_TIME, *(header_attribute(name)
+                                            for name in forwarded_headers(config)
+                                            if name != "content-length")],
+    ))
+    clean = [
+        HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST")),
+        HeaderMatcher(name="content-length",
+                      range_match=Int64Range(start=1, end=config.max_body_bytes + 1)),
+        HeaderMatcher(name="content-type",
+                      string_match=StringMatcher(exact="application/json", ignore_case=True)),
+        HeaderMatcher(name="content-encoding", present_match=True, invert_match=True),
+    ]
+    return [*(Route(match=RouteMatch(path=route.path, headers=clean), route=upstream,
+                    typed_per_filter_config={"envoy.filters.http.ext_proc": doc.pack(overrides)})
+              for route in config.routes), everything]
 
 
 def _forward_rules(config: Config) -> HeaderForwardingRules:
