@@ -109,6 +109,7 @@ from envoy_data_plane.envoy.config.route.v3 import (
 )
 from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
+from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer, BufferPerRoute
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
     ExtProcOverrides,
@@ -344,6 +345,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     """The bootstrap as typed ``envoy-data-plane`` messages (a misspelled field or a wrong
     type fails here), returned in the protobuf JSON form Envoy loads."""
     doc = _Doc()
+    one_trip = topo.one_trip and topo.processor
     ext_proc = HttpFilter(name="envoy.filters.http.ext_proc", typed_config=doc.pack(doc.explicit(
         ExternalProcessor(
             grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name="extproc")),
@@ -352,6 +354,10 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             message_timeout=_s(2),
             allow_mode_override=True,
             forward_rules=_forward_rules(config),
+            # one trip: the headers the sidecar reads, with the body (_routes); Envoy 1.40
+            # sends a filter's attributes with a stream's first message and ignores a
+            # route's own list
+            request_attributes=_attributes(config) if one_trip else [],
             metadata_options=_forwarded_metadata(config.tenant),
             processing_mode=doc.explicit(ProcessingMode(
                 request_header_mode=_HEADER.SEND,
@@ -370,11 +376,16 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         route_config=RouteConfiguration(name="inference", virtual_hosts=[VirtualHost(
             name="inference",
             domains=["*"],
-            routes=_routes(doc, config, topo.one_trip and topo.processor),
+            routes=_routes(doc, config, one_trip),
         )]),
         http_filters=[
             *topo.http_filters,
             *([ext_proc] if topo.processor else []),
+            # one trip: holds the request's headers back from the router until its body is
+            # in and past ext_proc (_routes); only on the one-trip routes
+            *([HttpFilter(name=BUFFER_FILTER, typed_config=doc.pack(Buffer(
+                max_request_bytes=config.max_body_bytes + BUFFER_SLACK_BYTES)))]
+              if one_trip else []),
             HttpFilter(name="envoy.filters.http.router", typed_config=doc.pack(Router())),
         ],
     ), "codec_type")
@@ -447,18 +458,33 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     ))
 
 
+def _attributes(config: Config) -> list[str]:
+    """What one trip's body brings (``extproc.request.headers_from_attributes``): the start of
+    the request and the headers the sidecar reads but ``content-length`` (the route checked
+    it, and Envoy leaves it out of a buffered body's attributes)."""
+    return [REQUEST_TIME, *(header_attribute(name) for name in forwarded_headers(config)
+                            if name != "content-length")]
+
+
 def _routes(doc: _Doc, config: Config, one_trip: bool) -> list[Route]:
     """Every request goes to the inference cluster. With ``one_trip``, an admission path's
     POST whose headers condemn nothing (a ``content-length`` from 1 to ``max_body_bytes``,
     ``content-type: application/json``, no ``content-encoding``) takes a route whose ext_proc
     skips the headers phase: the body alone goes to the sidecar, with the headers it reads
-    as attributes (``extproc.request.header_attribute``) and the request's start time. Any
+    as attributes (``_attributes``) and the request's start time. Any
     other request keeps both phases, so what the headers condemn is answered at once (413,
-    415, a body-less POST's 400) and the rest is checked as before."""
+    415, a body-less POST's 400) and the rest is checked as before.
+
+    Without the headers phase, ext_proc lets the headers go on at once and holds only the
+    body: the router would open the upstream request before the decision (measured: the
+    backend saw every request, refused ones too, re-framed as chunked). The buffer filter
+    after ext_proc holds them until the whole body has passed ext_proc, so a refused request
+    never reaches the backend; it is disabled on every other route."""
     upstream = RouteAction(cluster="inference", timeout=_s(0))
-    everything = Route(match=RouteMatch(prefix="/"), route=upstream)
     if not one_trip:
-        return [everything]
+        return [Route(match=RouteMatch(prefix="/"), route=upstream)]
+    everything = Route(match=RouteMatch(prefix="/"), route=upstream, typed_per_filter_config={
+        BUFFER_FILTER: doc.pack(BufferPerRoute(disabled=True))})
     overrides = ExtProcPerRoute(overrides=ExtProcOverrides(
         processing_mode=doc.explicit(ProcessingMode(
             request_header_mode=_HEADER.SKIP,
@@ -468,9 +494,6 @@ def _routes(doc: _Doc, config: Config, one_trip: bool) -> list[Route]:
             request_trailer_mode=_HEADER.SKIP,
             response_trailer_mode=_HEADER.SKIP,
         ), "response_body_mode"),
-        request_attributes=[REQUEST_TIME, *(header_attribute(name)
-                                            for name in forwarded_headers(config)
-                                            if name != "content-length")],
     ))
     clean = [
         HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST")),
@@ -483,6 +506,9 @@ def _routes(doc: _Doc, config: Config, one_trip: bool) -> list[Route]:
     return [*(Route(match=RouteMatch(path=route.path, headers=clean), route=upstream,
                     typed_per_filter_config={"envoy.filters.http.ext_proc": doc.pack(overrides)})
               for route in config.routes), everything]
+
+
+BUFFER_FILTER = "envoy.filters.http.buffer"
 
 
 def _forward_rules(config: Config) -> HeaderForwardingRules:
