@@ -999,7 +999,10 @@ PROFILE_PARTS = (
                   "share.py", "engine.py", "leases.py", "verdict.py", "ledger/")),
     ("protobuf", ("protobuf", "_pb2")),
     ("grpc", ("grpc/", "grpc_health")),
-    ("event loop", ("asyncio/", "uvloop")),
+    # uvloop's and grpc.aio's compiled code run from the loop show as the loop's own frame
+    ("event loop, native", ("asyncio/", "uvloop")),
+    # threads in native code or waiting for work: grpc.aio's poller, the counting threads
+    ("other threads", ("threading.py", "concurrent/futures/thread.py")),
 )
 
 
