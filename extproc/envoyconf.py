@@ -359,14 +359,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             # route's own list
             request_attributes=_attributes(config) if one_trip else [],
             metadata_options=_forwarded_metadata(config.tenant),
-            processing_mode=doc.explicit(ProcessingMode(
-                request_header_mode=_HEADER.SEND,
-                response_header_mode=_HEADER.SKIP,
-                request_body_mode=_BODY.BUFFERED_PARTIAL,
-                response_body_mode=_BODY.NONE,
-                request_trailer_mode=_HEADER.SKIP,
-                response_trailer_mode=_HEADER.SKIP,
-            ), "response_body_mode"),
+            processing_mode=_processing_mode(doc, _HEADER.SEND),
         ), "failure_mode_allow")))
     hcm = doc.explicit(HttpConnectionManager(
         stat_prefix="ingress",
@@ -458,6 +451,20 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     ))
 
 
+def _processing_mode(doc: _Doc, request_headers: ProcessingModeHeaderSendMode
+                     ) -> ProcessingMode:
+    """The request's headers as given (SEND, or SKIP for one trip), its body BUFFERED_PARTIAL,
+    every response phase skipped."""
+    return doc.explicit(ProcessingMode(
+        request_header_mode=request_headers,
+        response_header_mode=_HEADER.SKIP,
+        request_body_mode=_BODY.BUFFERED_PARTIAL,
+        response_body_mode=_BODY.NONE,
+        request_trailer_mode=_HEADER.SKIP,
+        response_trailer_mode=_HEADER.SKIP,
+    ), "response_body_mode")
+
+
 def _attributes(config: Config) -> list[str]:
     """What one trip's body brings (``extproc.request.headers_from_attributes``): the start of
     the request and the headers the sidecar reads but ``content-length`` (the route checked
@@ -486,15 +493,7 @@ def _routes(doc: _Doc, config: Config, one_trip: bool) -> list[Route]:
     everything = Route(match=RouteMatch(prefix="/"), route=upstream, typed_per_filter_config={
         BUFFER_FILTER: doc.pack(BufferPerRoute(disabled=True))})
     overrides = ExtProcPerRoute(overrides=ExtProcOverrides(
-        processing_mode=doc.explicit(ProcessingMode(
-            request_header_mode=_HEADER.SKIP,
-            response_header_mode=_HEADER.SKIP,
-            request_body_mode=_BODY.BUFFERED_PARTIAL,
-            response_body_mode=_BODY.NONE,
-            request_trailer_mode=_HEADER.SKIP,
-            response_trailer_mode=_HEADER.SKIP,
-        ), "response_body_mode"),
-    ))
+        processing_mode=_processing_mode(doc, _HEADER.SKIP)))
     clean = [
         HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST")),
         HeaderMatcher(name="content-length",
