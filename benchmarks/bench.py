@@ -1031,7 +1031,7 @@ def profile_summary(raw: str, top: int = 15) -> dict[str, Any]:
 
 
 def run_profile(bench: Bench, shape: Shape, bodies: Path, seconds: float,
-                out_dir: Path) -> dict[str, Any]:
+                out_dir: Path, native: bool = False) -> dict[str, Any]:
     """py-spy (``record --format raw``, 200 samples a second, every thread, idle ones left
     out) on (d)'s processor while wrk saturates it; the stacks are kept next to the JSON
     (``profile-SHAPE.txt``: load them into speedscope or flamegraph.pl)."""
@@ -1044,7 +1044,8 @@ def run_profile(bench: Bench, shape: Shape, bodies: Path, seconds: float,
     out = out_dir / f"profile-{shape.name}.txt"
     spy_proc = subprocess.Popen(
         [spy, "record", "--pid", str(gw.processor.pid), "--duration", str(round(seconds)),
-         "--rate", "200", "--format", "raw", "--nonblocking", "--output", str(out)],
+         "--rate", "200", "--format", "raw", "--nonblocking", "--output", str(out),
+         *(["--native"] if native else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)  # attached before the load starts
     wrk = run_wrk(gw.url, bodies, seconds, f"dprof{uuid.uuid4().hex[:6]}")
@@ -1116,7 +1117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if args.profile > 0:
                     print(f"  {shape.name:<5} profile of (d), {args.profile:g} s", flush=True)
                     profiles[shape.name] = run_profile(bench, shape, files[shape.name],
-                                                       args.profile, out_dir)
+                                                       args.profile, out_dir,
+                                                       args.profile_native)
                 results[shape.name] = {
                     key: {kind: cell.summary() for kind, cell in by_kind.items()}
                     for key, by_kind in sorted(cells.items(), key=lambda kv: _ORDER[kv[0]])}
@@ -1410,6 +1412,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="shorter runs (a smoke test)")
     p.add_argument("--profile", type=float, default=4.0, metavar="SECONDS",
                    help="py-spy on (d) under saturation, per shape (0: off)")
+    p.add_argument("--profile-native", action="store_true",
+                   help="py-spy --native: C and Cython frames too (uvloop, grpc, tokenizers)")
     p.add_argument("--no-ledger-scale", dest="ledger_scale", action="store_false",
                    help="skip benchmarks/ledger_scale.py")
     args = p.parse_args(argv)
