@@ -1044,8 +1044,9 @@ def run_profile(bench: Bench, shape: Shape, bodies: Path, seconds: float,
     out = out_dir / f"profile-{shape.name}.txt"
     spy_proc = subprocess.Popen(
         [spy, "record", "--pid", str(gw.processor.pid), "--duration", str(round(seconds)),
-         "--rate", "200", "--format", "raw", "--nonblocking", "--output", str(out),
-         *(["--native"] if native else [])],
+         "--rate", "200", "--format", "raw", "--output", str(out),
+         # native stacks need the process paused while sampled
+         *(["--native"] if native else ["--nonblocking"])],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)  # attached before the load starts
     wrk = run_wrk(gw.url, bodies, seconds, f"dprof{uuid.uuid4().hex[:6]}")
