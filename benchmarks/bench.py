@@ -15,6 +15,8 @@ One run, one machine, one load generator, every configuration measured in turns:
                    skipped (and said so) while ``serve`` has no ``--workers`` flag
     (b2) noop-alt  (b) in the other processing mode (two trips: headers, then body)
     (d2) redis-alt (d) in the other processing mode; (b2) and (d2) are the modes' comparison
+    (d3) redis-inline (d) with every prompt counted on the event loop, as before the batch
+                   thread (``extproc.pricing.OFFLOAD_WHEN_DECIDING`` set out of reach)
 
 Envoy is rendered by ``extproc.envoyconf`` for all five (for (a) without the filter), so (b)..(e)
 differ only in the process that answers the ext_proc stream. The fake backend answers at once
@@ -296,8 +298,14 @@ VARIANTS = (
             one_trip=not DEFAULT_ONE_TRIP, processor="noop"),
     Variant("redis-alt", "d2", f"+ extproc serve, Redis, {_TRIPS[not DEFAULT_ONE_TRIP]}",
             one_trip=not DEFAULT_ONE_TRIP, processor="redis"),
+    # (d) counting every prompt on the event loop, as before the batch thread (issue 19)
+    Variant("redis-inline", "d3", "(d), prompts counted on the loop", processor="redis"),
 )
-DEFAULT_CONFIGS = ("envoy", "noop", "redis", "workers", "noop-alt", "redis-alt")
+DEFAULT_CONFIGS = ("envoy", "noop", "redis", "workers", "noop-alt", "redis-alt",
+                   "redis-inline")
+# `extproc serve` with pricing.OFFLOAD_WHEN_DECIDING out of reach: every count on the loop
+_SERVE_COUNTING_ON_THE_LOOP = ("import sys, extproc.pricing as p; p.OFFLOAD_WHEN_DECIDING ="
+                               " sys.maxsize; from extproc.cli import main; sys.exit(main())")
 _ORDER = {v.key: i for i, v in enumerate(VARIANTS)}
 
 
@@ -463,7 +471,9 @@ class Bench:
                 "--listen", f"127.0.0.1:{grpc_port}",
                 "--max-body-bytes", str(gw.config.max_body_bytes)])
         elif variant.processor:
-            argv = [py, "-m", "extproc", "--log-level", "WARNING", "serve", "--config", str(path)]
+            how = (["-c", _SERVE_COUNTING_ON_THE_LOOP] if variant.key == "redis-inline"
+                   else ["-m", "extproc"])
+            argv = [py, *how, "--log-level", "WARNING", "serve", "--config", str(path)]
             if variant.key == "workers":
                 argv += ["--workers", str(n)]
             gw.processor = self._spawn(f"extproc-{variant.key}", argv)

@@ -1,13 +1,16 @@
 """Pricing a request: its prompt counted, or estimated and counted exactly afterwards.
 
 Texts counted before cost a lookup (``TokenizerCounter``'s cache: a chat turn pays only for its
-new message). New text up to ``ESTIMATE_CHARS`` is counted exactly before the decision, off the
-event loop (``Batches``): the texts of every request deciding at that moment go to the
-tokenizer together, in one ``encode_batch_fast`` call on a thread of their own, which releases
-the GIL, so the loop goes on parsing, deciding and answering other streams meanwhile (a
-200-token message takes ~0.35 ms of a core to count: a quarter of a decision's CPU when it
-ran on the loop). One thread, so a batch waits at most for the one before it; a text twice in
-a batch is counted once, and a text counted before is a cache hit. Longer new text (a long
+new message). New text up to ``ESTIMATE_CHARS`` is counted exactly before the decision. While
+other decisions are under way in the process (``OFFLOAD_WHEN_DECIDING``), off the event loop
+(``Batches``): the texts of every request deciding at that moment go to the tokenizer
+together, in one ``encode_batch_fast`` call on a thread of their own, which releases the GIL,
+so the loop goes on parsing, deciding and answering other streams meanwhile (a 200-token
+message takes ~0.35 ms of a core to count: a quarter of a decision's CPU when it ran on the
+loop). One thread, so a batch waits at most for the one before it; a text twice in a batch is
+counted once, and a text counted before is a cache hit. A decision alone in the process
+counts on the loop: no other stream waits for the loop, and the trip to the thread would add
+two thread wake-ups to its latency. Longer new text (a long
 prompt never seen: 8,000 tokens take ~20 ms to count) is priced by the pool's ``Calibration``
 instead, and the decision is taken at once when it comes out the same at the estimate's low
 and high ends (``margin``) on the local view of the ledger (the gate says whether it does:
@@ -52,6 +55,11 @@ from extproc.step import Ask
 ESTIMATE_CHARS = 8 * 1024  # new prompt text longer than this is estimated (docstring)
 MAX_PENDING_COUNTS = 8  # exact counts queued for the counting thread; beyond, estimates stay
 COUNT_WAIT_S = 0.25  # the most a close decision waits for its exact count (docstring)
+# New text goes to the batch thread when at least this many decisions are under way (this one
+# included; ``Pricing.deciding``); fewer: counted on the loop (docstring). 1: always the
+# thread; a number no process reaches: always the loop (as before issue 19; the benchmark's
+# side-by-side variant sets it so).
+OFFLOAD_WHEN_DECIDING = 2
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,7 @@ class Pricing:
         self.counting = concurrent.futures.ThreadPoolExecutor(1, "extproc-count")
         self.pending = 0  # exact counts waiting for or running on that thread
         self.batches = Batches()  # exact counts before a decision
+        self.deciding = 0  # decisions under way in the process (``Gate.check`` counts them)
 
     @staticmethod
     def _priced_at(request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
@@ -171,9 +180,10 @@ class Pricing:
         if not missing or not counter.exact or chars <= ESTIMATE_CHARS:
             how = "counted" if missing else "cached"
             self.metrics.prompt_counts.labels(pool.name, how).inc()
-            if missing and counter.exact:  # off the loop, with the other requests' texts
+            if missing and counter.exact and self.deciding >= OFFLOAD_WHEN_DECIDING:
+                # off the loop, with the texts of the other requests deciding now
                 text = known + await self.batches.count(counter, missing)
-            else:  # nothing new, or a byte count: cheaper than the trip to the thread
+            else:  # alone, nothing new, or a byte count: the trip to the thread buys nothing
                 text = known + counter.count(missing)
             return self._priced_at(request, pool, cls, deadline, text), None
         calibration = self.calibrations[pool.name]

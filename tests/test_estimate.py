@@ -98,3 +98,39 @@ def test_requests_deciding_together_are_counted_in_one_batch(llama3_tokenizer: s
     # the first request went at once; the other five waited together: 4 x 2 texts + 1
     assert calls[:2] == [2, 9]
     assert counter.cache_size == alone.cache_size
+
+
+def test_a_decision_alone_counts_on_the_loop_others_share_the_batch_thread(
+        llama3_tokenizer: str) -> None:
+    """pricing.OFFLOAD_WHEN_DECIDING: with no other decision under way the trip to the thread
+    buys nothing, so the count is taken where the decision runs; with others deciding, it
+    goes to the batch thread. The count is the same either way."""
+    from extproc import config
+    from extproc.metrics import Metrics
+    from extproc.pricing import Pricing
+
+    cfg = config.from_mapping({"pools": [{"name": "llama", "models": ["*"],
+                                          "tokenizer": llama3_tokenizer}]})
+    pool = cfg.pools[0]
+    text = "a new message, never counted before, of a few dozen tokens at the most " * 3
+    thread_calls: list[int] = []
+
+    async def price(deciding: int, suffix: str) -> int:
+        pricing = Pricing(cfg, Metrics())
+        real = pricing.batches.count
+
+        async def counting(counter: object, texts: list[str]) -> int:
+            thread_calls.append(len(texts))
+            return await real(counter, texts)  # type: ignore[arg-type]
+
+        pricing.batches.count = counting  # type: ignore[method-assign]
+        pricing.deciding = deciding
+        request = InferenceRequest(model="m", texts=(text + suffix,), messages=1)
+        ask, uncounted = await pricing.ask(request, pool, "latency", None, lambda a, b: True)
+        assert uncounted is None
+        return ask.prompt_tokens
+
+    alone = asyncio.run(price(1, "a"))
+    assert thread_calls == []
+    together = asyncio.run(price(3, "a"))
+    assert thread_calls == [1] and together == alone
