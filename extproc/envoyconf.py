@@ -12,6 +12,9 @@ Choices made here, each matching what the server expects:
 - ext_proc processing modes: request headers SEND; request body BUFFERED_PARTIAL; every
   response phase SKIP (the stream still lasts until the request ends, which is how the ledger
   learns completion); ``allow_mode_override`` so paths we do not manage skip their body.
+  One trip (``Topology.one_trip``, the default: it measured cheaper, docs/performance.md): an
+  admission POST whose headers condemn nothing skips the headers phase on a route of its own
+  (``_routes``), its headers sent as attributes with the body.
 - Body limit: the listener's buffer limit is ``max_body_bytes`` plus a little, so a body up to
   the cap reaches us whole and a larger one arrives cut short; the server then answers our
   413 JSON, never Envoy's plain-text 413.

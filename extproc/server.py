@@ -4,7 +4,10 @@ Envoy opens one stream per HTTP request and (with every response phase skipped) 
 until the request has finished, so the stream's end is the request's end: the ledger entry is
 released in ``finally`` whether the stream ends cleanly, is cancelled (client gone) or fails.
 
-Phases: request headers are always sent. A path not configured for admission is answered with
+Phases: request headers are sent, except on the one-trip route (``extproc.envoyconf``): an
+admission POST whose headers condemn nothing sends its body alone, with the headers we read as
+attributes (``extproc.request.headers_from_attributes``), and they are checked there as the
+headers phase would (``_condemned``). A path not configured for admission is answered with
 a mode override that skips its body (it passes untouched). For admission paths the body comes
 BUFFERED_PARTIAL: Envoy buffers up to its limit (set just above ``max_body_bytes``) and sends
 what it has; a body that did not end within the limit, or a ``content-length`` over the cap,
@@ -32,7 +35,8 @@ gRPC's buffers and the event loop, not in anything we count) and past Envoy's
 gave up on. The wait shows per request, though: from our answer to its headers to its body
 reaching us is one trip through that queue (a fraction of a millisecond when idle). One
 request's wait also holds its client's upload time (a large body on a slow link), so the
-signal is the median of the last ``Backlog.SIZE`` requests' waits: while it is over
+signal is the median of the last ``Backlog.SIZE`` requests' waits (one trip: from the
+request's start, Envoy's ``request.time``, to its body reaching us): while it is over
 ``shed_wait_ms``, bodies get 429 ``processor_overloaded`` (the Retry-After minimum) at once,
 unparsed. A refusal costs a small fraction of a decision, so the queue drains, the waits fall,
 shedding stops, and the answers stay fast. Requests are refused then without asking whether the GPUs
