@@ -64,7 +64,9 @@ check: test
 chaos: setup
 	EXTPROC_CHAOS_OUT=out/chaos $(PY) -m pytest -q -s -m chaos tests/test_chaos.py
 
-# Per-request overhead next to its floors, in one run (~8 min; benchmarks/bench.py says how).
+# Per-request overhead next to its floors, in one run, with issue 19's targets and py-spy
+# profiles of extproc serve under load (~8 min; benchmarks/bench.py says how, and
+# docs/performance.md reads the latest run).
 # wrk drives the saturation runs: installed here when missing, as system-packages does.
 # Arguments through BENCH_ARGS, e.g. `make bench BENCH_ARGS="--quick --workers 0"`.
 bench: setup

@@ -1,16 +1,22 @@
-"""Per-request overhead of the gateway, side by side with its floors (issue 7).
+"""Per-request overhead of the gateway, side by side with its floors (issues 7 and 19).
 
 One run, one machine, one load generator, every configuration measured in turns:
 
     (a) envoy      Envoy straight to the fake backend: no ext_proc filter at all
     (b) noop       Envoy + a no-op Python processor (``benchmarks/noop_extproc.py``): the same
-                   grpc.aio stack, xds-protos messages and processing modes as ``extproc serve``
-                   (request headers sent, request body BUFFERED_PARTIAL, responses skipped)
-    (c) memory     Envoy + ``extproc serve`` with the in-process ledger
+                   grpc.aio stack, xds-protos messages and Envoy configuration as
+                   ``extproc serve`` (``extproc.envoyconf``'s default processing modes: one
+                   gRPC trip per clean request, the body with the headers as attributes)
+    (c) memory     Envoy + ``extproc serve`` with the in-process ledger (not in the default
+                   ``--configs``: it adds a minute and no target reads it)
     (d) redis      Envoy + ``extproc serve`` with the Redis ledger (a redis-server of its own on
                    a free port)
     (e) workers    (d) with ``extproc serve --workers N``, Envoy balancing over the N endpoints;
                    skipped (and said so) while ``serve`` has no ``--workers`` flag
+    (b2) noop-alt  (b) in the other processing mode (two trips: headers, then body)
+    (d2) redis-alt (d) in the other processing mode; (b2) and (d2) are the modes' comparison
+    (d3) redis-inline (d) with every prompt counted on the event loop, as before the batch
+                   thread (``extproc.pricing.OFFLOAD_WHEN_DECIDING`` set out of reach)
 
 Envoy is rendered by ``extproc.envoyconf`` for all five (for (a) without the filter), so (b)..(e)
 differ only in the process that answers the ext_proc stream. The fake backend answers at once
@@ -70,11 +76,16 @@ The decision time of ``extproc serve`` comes from its own ``/metrics`` histogram
 interpolated linearly within its bucket (bucket bounds at 0.5, 1, 2, 5 and 10 ms: the figure
 is only as exact as its bucket, which is reported with it).
 
-Targets (printed as PASS / MISS with the margin):
+Targets (issue 19; printed as PASS / MISS with the margin, and for a miss what bounds it:
+the processors' CPU per request and the three largest parts of the profile of (d)):
 
-1. short prompts: saturation throughput of (d) >= 0.8 x (b);
-2. chat prompts, at the moderate rate: p50 of (d) - p50 of (a) <= 1.0 ms, p99 <= 3.0 ms;
+1. short and chat prompts: saturation throughput of (d) >= 0.8 x (b);
+2. chat prompts, at the moderate rate: p50 of (d) - p50 of (b) <= 0.5 ms, p99 <= 2.0 ms;
 3. long prompts: extproc's decision p50 under (d) <= 3 ms.
+
+Profile (``--profile SECONDS``, default 4): after each shape's measurements, py-spy records
+(d)'s processor under wrk's saturation load; the collapsed stacks are kept beside the JSON
+(``profile-SHAPE.txt``) and summarised by part of the request's path (``PROFILE_PARTS``).
 
 Nothing is pinned to a core: on a two-core machine shared with other work, pinning would only
 choose which process loses. The machine's load (CPU used by processes other than ours during
@@ -83,7 +94,9 @@ each run) is measured and reported, so a noisy run can be told from a slow gatew
 Usage::
 
     python benchmarks/bench.py [--out FILE] [--workers N] [--quick] [--shapes short,chat,long]
-                               [--configs envoy,noop,memory,redis,workers] [--no-ledger-scale]
+                               [--configs envoy,noop,redis,workers,noop-alt,redis-alt,
+                                          redis-inline]
+                               [--profile SECONDS] [--no-ledger-scale]
 
 Writes JSON (default ``benchmarks/results/bench.json``; the folder is not versioned), keeps the
 processes' logs and configurations in ``benchmarks/results/bench-work/``, prints a table.
@@ -137,9 +150,9 @@ WARMUP_S = 1.0
 QUICK_SATURATION_S, QUICK_FIXED_S = 2.0, 4.0
 RATES = {"short": 50.0, "chat": 50.0, "long": 10.0}
 DECISION_METRIC = "extproc_decision_duration_seconds"
-TARGET_THROUGHPUT = 0.8  # (d) / (b), short prompts
-TARGET_P50_MS = 1.0  # (d) - (a), chat prompts
-TARGET_P99_MS = 3.0
+TARGET_THROUGHPUT = 0.8  # (d) / (b), short and chat prompts (issue 19)
+TARGET_P50_MS = 0.5  # (d) - (b), chat prompts at the fixed rate
+TARGET_P99_MS = 2.0
 TARGET_DECISION_MS = 3.0  # (d), long prompts
 LEDGER_SCALE_LIMIT_S = 30.0
 BUSY_CORES = 0.3  # other work's mean CPU above which the run is flagged as contended
@@ -259,20 +272,41 @@ def make_shapes(seed: int) -> dict[str, Shape]:
 # Processes
 
 
+DEFAULT_ONE_TRIP = envoyconf.Topology().one_trip  # what `extproc envoy-config` renders
+_TRIPS = {True: "1 trip", False: "2 trips"}
+
+
 @dataclass(frozen=True)
 class Variant:
-    key: str  # envoy, noop, memory, redis, workers
+    key: str  # envoy, noop, memory, redis, workers, noop-alt, redis-alt, redis-inline
     letter: str
     label: str
+    one_trip: bool = DEFAULT_ONE_TRIP  # Envoy's processing modes (envoyconf.Topology)
+    processor: str = ""  # noop, memory, redis; "": none
+
 
 
 VARIANTS = (
     Variant("envoy", "a", "Envoy -> backend"),
-    Variant("noop", "b", "+ no-op Python ext_proc"),
-    Variant("memory", "c", "+ extproc serve, memory"),
-    Variant("redis", "d", "+ extproc serve, Redis"),
-    Variant("workers", "e", "+ extproc serve, Redis, workers"),
+    Variant("noop", "b", f"+ no-op Python ext_proc, {_TRIPS[DEFAULT_ONE_TRIP]}",
+            processor="noop"),
+    Variant("memory", "c", "+ extproc serve, memory", processor="memory"),
+    Variant("redis", "d", f"+ extproc serve, Redis, {_TRIPS[DEFAULT_ONE_TRIP]}",
+            processor="redis"),
+    Variant("workers", "e", "+ extproc serve, Redis, workers", processor="redis"),
+    # the other processing mode, side by side (docs/performance.md says why the default)
+    Variant("noop-alt", "b2", f"+ no-op Python ext_proc, {_TRIPS[not DEFAULT_ONE_TRIP]}",
+            one_trip=not DEFAULT_ONE_TRIP, processor="noop"),
+    Variant("redis-alt", "d2", f"+ extproc serve, Redis, {_TRIPS[not DEFAULT_ONE_TRIP]}",
+            one_trip=not DEFAULT_ONE_TRIP, processor="redis"),
+    # (d) counting every prompt on the event loop, as before the batch thread (issue 19)
+    Variant("redis-inline", "d3", "(d), prompts counted on the loop", processor="redis"),
 )
+DEFAULT_CONFIGS = ("envoy", "noop", "redis", "workers", "noop-alt", "redis-alt",
+                   "redis-inline")
+# `extproc serve` with pricing.OFFLOAD_WHEN_DECIDING out of reach: every count on the loop
+_SERVE_COUNTING_ON_THE_LOOP = ("import sys, extproc.pricing as p; p.OFFLOAD_WHEN_DECIDING ="
+                               " sys.maxsize; from extproc.cli import main; sys.exit(main())")
 _ORDER = {v.key: i for i, v in enumerate(VARIANTS)}
 
 
@@ -388,7 +422,7 @@ class Bench:
                 "engine": {"max_num_seqs": 100}, "tokenizer": tokenizer_path()}
         out: dict[str, Any] = {"listen": f"127.0.0.1:{listen}",
                                "metrics_listen": f"127.0.0.1:{metrics}", "pools": [pool]}
-        if ledger in ("redis", "workers"):  # (e) needs the shared ledger
+        if ledger == "redis":
             out["ledger"] = {"kind": "redis", "url": self.redis.url,
                              "key_prefix": f"{self.prefix}-{ledger}"}
         return out
@@ -400,7 +434,7 @@ class Bench:
             "--port", str(self.backend_port), "--max-num-seqs", "1024",
             "--num-gpu-blocks", "0", "--time-scale", "0", "--model", MODEL])
         wait_http(f"http://127.0.0.1:{self.backend_port}/health", proc=self.backend.popen)
-        if any(v.key in ("redis", "workers") for v in self.variants):
+        if any(v.processor == "redis" for v in self.variants):
             # the tests' helper, loaded at run time: a test module, not checked with ours
             servers = importlib.import_module("tests.redis_server")
             self.redis = servers.RedisServer(settings={"maxmemory-policy": "noeviction"})
@@ -427,15 +461,20 @@ class Bench:
         grpc_port, metrics_port = self._ports(n), self._ports(n)
         gw = Gateway(variant, self._ports(1), self._ports(1), grpc_port, n)
         path = self.workdir / f"extproc-{variant.key}.yaml"
-        path.write_text(yaml.safe_dump(self.settings(variant.key, grpc_port, metrics_port)))
+        settings = self.settings(variant.processor, grpc_port, metrics_port)
+        if "ledger" in settings:  # each configuration's entries under keys of its own
+            settings["ledger"]["key_prefix"] = f"{self.prefix}-{variant.key}"
+        path.write_text(yaml.safe_dump(settings))
         gw.config = config_mod.load(path)
-        if variant.key == "noop":
-            gw.processor = self._spawn("noop", [
+        if variant.processor == "noop":
+            gw.processor = self._spawn(variant.key, [
                 py, str(ROOT / "benchmarks/noop_extproc.py"),
                 "--listen", f"127.0.0.1:{grpc_port}",
                 "--max-body-bytes", str(gw.config.max_body_bytes)])
-        elif variant.key != "envoy":
-            argv = [py, "-m", "extproc", "--log-level", "WARNING", "serve", "--config", str(path)]
+        elif variant.processor:
+            how = (["-c", _SERVE_COUNTING_ON_THE_LOOP] if variant.key == "redis-inline"
+                   else ["-m", "extproc"])
+            argv = [py, *how, "--log-level", "WARNING", "serve", "--config", str(path)]
             if variant.key == "workers":
                 argv += ["--workers", str(n)]
             gw.processor = self._spawn(f"extproc-{variant.key}", argv)
@@ -450,7 +489,7 @@ class Bench:
             backends=(("127.0.0.1", self.backend_port),),
             extproc=("127.0.0.1", gw.grpc_port),
             extra_extprocs=tuple(("127.0.0.1", gw.grpc_port + i) for i in range(1, gw.workers)),
-            processor=gw.variant.key != "envoy")
+            processor=bool(gw.variant.processor), one_trip=gw.variant.one_trip)
         envoy_yaml = self.workdir / f"envoy-{gw.variant.key}.yaml"
         envoy_yaml.write_text(envoyconf.render(gw.config, topo))
         gw.envoy = self._spawn(f"envoy-{gw.variant.key}", [
@@ -954,6 +993,84 @@ def run_ledger_scale(out_dir: Path) -> dict[str, Any]:
             "json": str(out_dir / "ledger_scale.json")}
 
 
+# ---------------------------------------------------------------------------------------------
+# Where the processor's time goes: py-spy on configuration (d) under saturation
+
+
+# A sample is charged to the first of these found walking its stack from the leaf up (so
+# tokenizing called from the gate is "tokenize", not "gate"); the rest is "other".
+PROFILE_PARTS = (
+    ("tokenize", ("encode_batch", "estimate.py", "tokenizers")),
+    ("json parse", ("json/", "orjson", "request.py")),
+    ("redis client", ("redis/", "ledger/redis")),
+    ("metrics", ("prometheus_client", "metrics.py")),
+    ("logging", ("logging/",)),
+    ("tracing", ("telemetry.py", "opentelemetry")),
+    ("decision", ("step.py", "admission.py", "contention.py", "lengths.py", "learning.py",
+                  "share.py", "engine.py", "leases.py", "verdict.py", "ledger/")),
+    ("protobuf", ("protobuf", "_pb2")),
+    ("grpc", ("grpc/", "grpc_health")),
+    # uvloop's and grpc.aio's compiled code run from the loop show as the loop's own frame
+    ("event loop, native", ("asyncio/", "uvloop")),
+    # threads in native code or waiting for work: grpc.aio's poller, the counting threads
+    ("other threads", ("threading.py", "concurrent/futures/thread.py")),
+)
+
+
+def profile_summary(raw: str, top: int = 15) -> dict[str, Any]:
+    """py-spy's collapsed stacks (``frame;frame;... count``) as shares: by part of the
+    request's path (``PROFILE_PARTS``) and the functions that spent the most themselves."""
+    parts: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        part = next((name for frame in reversed(frames) for name, marks in PROFILE_PARTS
+                     if any(m in frame for m in marks)), "other")
+        parts[part] = parts.get(part, 0) + n
+    share = (lambda n: round(100.0 * n / total, 1)) if total else (lambda n: 0.0)
+    return {"samples": total,
+            "parts_pct": {k: share(v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+            "top_self_pct": {k: share(v) for k, v in
+                             sorted(own.items(), key=lambda kv: -kv[1])[:top]}}
+
+
+def run_profile(bench: Bench, shape: Shape, bodies: Path, seconds: float,
+                out_dir: Path, native: bool = False) -> dict[str, Any]:
+    """py-spy (``record --format raw``, 200 samples a second, every thread, idle ones left
+    out) on (d)'s processor while wrk saturates it; the stacks are kept next to the JSON
+    (``profile-SHAPE.txt``: load them into speedscope or flamegraph.pl)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    gw = bench.gateways.get("redis")
+    if gw is None or gw.processor is None:
+        return {"skipped": "configuration (d) not running"}
+    if not Path(spy).exists():
+        return {"skipped": "py-spy not installed (the dev extra)"}
+    out = out_dir / f"profile-{shape.name}.txt"
+    spy_proc = subprocess.Popen(
+        [spy, "record", "--pid", str(gw.processor.pid), "--duration", str(round(seconds)),
+         "--rate", "200", "--format", "raw", "--output", str(out),
+         # native stacks need the process paused while sampled
+         *(["--native"] if native else ["--nonblocking"])],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # attached before the load starts
+    wrk = run_wrk(gw.url, bodies, seconds, f"dprof{uuid.uuid4().hex[:6]}")
+    _, err = spy_proc.communicate(timeout=seconds + 60)
+    quiesce(gw)
+    if spy_proc.returncode != 0 or not out.exists():
+        return {"skipped": f"py-spy failed ({spy_proc.returncode}): {err.strip()[-300:]}"}
+    summary = profile_summary(out.read_text())
+    summary["stacks"] = str(out)
+    summary["rps_while_profiled"] = round(wrk["requests"] / (wrk["duration_us"] / 1e6), 1)
+    return summary
+
+
 def run_shape(bench: Bench, shape: Shape, bodies: Path, args: argparse.Namespace,
               flip: bool) -> dict[str, dict[str, Cell]]:
     """Warm every configuration up, then ``ROUNDS`` rounds of saturation and of fixed rate,
@@ -1001,6 +1118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     files = write_bodies(shapes, workdir)
     load_before = os.getloadavg()
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    profiles: dict[str, dict[str, Any]] = {}
     print(f"starting {len(variants)} gateways: {', '.join(v.key for v in variants)} ...",
           flush=True)
     try:
@@ -1008,6 +1126,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             setup_s = time.monotonic() - started
             for n, shape in enumerate(shapes.values()):
                 cells = run_shape(bench, shape, files[shape.name], args, flip=n % 2 == 1)
+                if args.profile > 0:
+                    print(f"  {shape.name:<5} profile of (d), {args.profile:g} s", flush=True)
+                    profiles[shape.name] = run_profile(bench, shape, files[shape.name],
+                                                       args.profile, out_dir,
+                                                       args.profile_native)
                 results[shape.name] = {
                     key: {kind: cell.summary() for kind, cell in by_kind.items()}
                     for key, by_kind in sorted(cells.items(), key=lambda kv: _ORDER[kv[0]])}
@@ -1018,7 +1141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     else {"skipped": "--no-ledger-scale"})
     report: dict[str, Any] = {
         "benchmark": "bench",
-        "issue": 7,
+        "issue": 19,
         "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
                     "loadavg_after": os.getloadavg()},
         "generators": GENERATORS,
@@ -1028,7 +1151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "warmup_s": WARMUP_S, "max_tokens": MAX_TOKENS,
                      "backend": "fake-backend --time-scale 0, 1 output token",
                      "pool": "100 replicas x 100 slots (admits everything)",
-                     "seed": args.seed, "quick": args.quick},
+                     "seed": args.seed, "quick": args.quick, "workers": args.workers,
+                     "default_mode": _TRIPS[DEFAULT_ONE_TRIP]},
         "configs": {v.key: f"({v.letter}) {v.label}" for v in VARIANTS},
         "skipped": skipped,
         "shapes": {s.name: {"what": s.what, "rate_rps": s.rate_rps, "prompt_tokens": s.tokens}
@@ -1036,9 +1160,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": results,
         "setup_s": round(setup_s, 1),
         "ledger_scale": ledger_scale,
+        "profiles": profiles,
     }
     report["ratios"] = ratios(results)
-    report["targets"] = targets(results)
+    report["targets"] = targets(results, profiles)
+    report["modes"] = modes(results)
     report["wall_s"] = round(time.monotonic() - started, 1)
     return report
 
@@ -1076,6 +1202,25 @@ def ratios(results: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def modes(results: Mapping[str, Any]) -> dict[str, Any]:
+    """The two processing modes side by side: each mode's (b) and (d), throughput and latency
+    at the fixed rate, and the (d)/(b) ratio within each mode."""
+    out: dict[str, Any] = {}
+    pairs = {DEFAULT_ONE_TRIP: ("noop", "redis"), not DEFAULT_ONE_TRIP: ("noop-alt", "redis-alt")}
+    for shape in results:
+        row: dict[str, Any] = {}
+        for one_trip, (b, d) in pairs.items():
+            rb, rd = _rps(results, shape, b), _rps(results, shape, d)
+            row[_TRIPS[one_trip]] = {
+                "default": one_trip == DEFAULT_ONE_TRIP,
+                "rps_b": rb, "rps_d": rd,
+                "throughput_d_over_b": round(rd / rb, 3) if rb and rd else None,
+                **{f"{q}_{k}": _lat(results, shape, key, q)
+                   for q in ("p50_ms", "p99_ms") for k, key in (("b", b), ("d", d))}}
+        out[shape] = row
+    return out
+
+
 def _target(name: str, value: float | None, limit: float, higher_is_better: bool,
             unit: str, note: str = "") -> dict[str, Any]:
     if value is None:
@@ -1087,16 +1232,36 @@ def _target(name: str, value: float | None, limit: float, higher_is_better: bool
             "verdict": "PASS" if ok else "MISS", "margin": round(margin, 3), "note": note}
 
 
-def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _bounds(results: Mapping[str, Any], profiles: Mapping[str, Any], shape: str) -> str:
+    """What bounds (d) on a shape: its processor's CPU per request next to (b)'s, and where
+    the profile of (d) says the time goes (the three largest parts)."""
+    cpu = [results.get(shape, {}).get(k, {}).get("saturation", {})
+           .get("cpu_us_per_request", {}).get("processor") for k in ("redis", "noop")]
     out = []
-    d, b = _rps(results, "short", "redis"), _rps(results, "short", "noop")
-    out.append(_target("short: throughput (d) / (b) >= 0.8", d / b if d and b else None,
-                       TARGET_THROUGHPUT, True, "x"))
+    if cpu[0] and cpu[1]:
+        out.append(f"processor CPU {cpu[0]:.0f} µs/request (d) vs {cpu[1]:.0f} (b)")
+    parts = profiles.get(shape, {}).get("parts_pct", {})
+    if parts:
+        out.append("profile of (d): " + ", ".join(f"{k} {v:g}%"
+                                                  for k, v in list(parts.items())[:3]))
+    return "; ".join(out)
+
+
+def targets(results: Mapping[str, Any], profiles: Mapping[str, Any] | None = None
+            ) -> list[dict[str, Any]]:
+    """Issue 19's targets, each over (b) measured in the same run."""
+    profiles = profiles or {}
+    out = []
+    for shape in ("short", "chat"):
+        d, b = _rps(results, shape, "redis"), _rps(results, shape, "noop")
+        out.append(_target(f"{shape}: throughput (d) / (b) >= {TARGET_THROUGHPUT}",
+                           d / b if d and b else None, TARGET_THROUGHPUT, True, "x",
+                           _bounds(results, profiles, shape)))
     for q, limit in (("p50_ms", TARGET_P50_MS), ("p99_ms", TARGET_P99_MS)):
-        mine, base = _lat(results, "chat", "redis", q), _lat(results, "chat", "envoy", q)
-        out.append(_target(f"chat: added {q[:3]} (d) - (a) <= {limit} ms",
+        mine, base = _lat(results, "chat", "redis", q), _lat(results, "chat", "noop", q)
+        out.append(_target(f"chat: added {q[:3]} (d) - (b) <= {limit} ms",
                            mine - base if mine is not None and base is not None else None,
-                           limit, False, "ms"))
+                           limit, False, "ms", _bounds(results, profiles, "chat")))
     cell = results.get("long", {}).get("redis", {}).get("fixed", {})
     dec = cell.get("decision_p50")
     note = ""
@@ -1131,7 +1296,7 @@ def print_report(report: Mapping[str, Any]) -> None:
         print(f"  {name:<6} {s['what']}; tokens mean {t['mean']:.0f}, p50 {t['p50']:.0f},"
               f" min {t['min']:.0f}, max {t['max']:.0f}; fixed rate {s['rate_rps']:g} req/s")
     print()
-    head = (f"{'shape':<6} {'config':<37} {'sat r/s':>8} {'x(a)':>5} {'x(b)':>5}"
+    head = (f"{'shape':<6} {'config':<40} {'sat r/s':>8} {'x(a)':>5} {'x(b)':>5}"
             f" {'p50 ms':>7} {'p99 ms':>7} {'+p50(a)':>7} {'+p99(a)':>7} {'+p50(b)':>7}"
             f" {'+p99(b)':>7} {'dec p50':>7} {'proc':>6} {'failed':>6} {'429':>4}")
     print(head)
@@ -1147,7 +1312,7 @@ def print_report(report: Mapping[str, Any]) -> None:
             label = report["configs"][key]
             if any(v for c in (sat, fixed) for v in c.get("envoy_ext_proc_failures", {}).values()):
                 label += " !"  # Envoy timed out on the processor: see below
-            print(f"{shape:<6} {label:<37} {_f(sat.get('rps'), '{:.0f}', 8)}"
+            print(f"{shape:<6} {label:<40} {_f(sat.get('rps'), '{:.0f}', 8)}"
                   f" {_f(r['throughput_x_envoy'], '{:.2f}', 5)}"
                   f" {_f(r['throughput_x_noop'], '{:.2f}', 5)}"
                   f" {_f(fixed.get('p50_ms'))} {_f(fixed.get('p99_ms'))}"
@@ -1208,12 +1373,35 @@ def print_report(report: Mapping[str, Any]) -> None:
                   " and throughput measure contention more than the gateway; rerun on a"
                   " quiet machine.")
     print()
+    print("Processing modes side by side (the default first):")
+    for shape, row in report.get("modes", {}).items():
+        for trips, m in sorted(row.items(), key=lambda kv: not kv[1]["default"]):
+            print(f"  {shape:<6} {trips:<7} (b) {_f(m['rps_b'], '{:.0f}', 5)} r/s,"
+                  f" (d) {_f(m['rps_d'], '{:.0f}', 5)} r/s, (d)/(b)"
+                  f" {_f(m['throughput_d_over_b'], '{:.2f}', 4)};"
+                  f" p50 (b) {_f(m['p50_ms_b'])} (d) {_f(m['p50_ms_d'])} ms,"
+                  f" p99 (b) {_f(m['p99_ms_b'])} (d) {_f(m['p99_ms_d'])} ms")
+    workers = [(shape, _rps(report["results"], shape, "redis"),
+                _rps(report["results"], shape, "workers")) for shape in report["results"]]
+    if any(e for _, _, e in workers):
+        print(f"--workers 1 vs {report['settings'].get('workers')} (on"
+              f" {report['machine']['cpus']} cores): " + "; ".join(
+                  f"{shape} (d) {d or 0:.0f} r/s, (e) {e or 0:.0f} r/s"
+                  f" ({(e or 0) / d if d else 0:.2f}x)" for shape, d, e in workers))
+    print()
     print("Targets:")
     for t in report["targets"]:
         value = "-" if t["value"] is None else f"{t['value']:g} {t.get('unit', '')}"
         margin = "" if t["margin"] is None else f" (margin {t['margin']:+g})"
         note = f"  [{t['note']}]" if t.get("note") else ""
         print(f"  {t['verdict']:<4} {t['target']}: {value}{margin}{note}")
+    for shape, prof in report.get("profiles", {}).items():
+        if "parts_pct" not in prof:
+            print(f"Profile of (d), {shape}: {prof.get('skipped')}")
+            continue
+        parts = ", ".join(f"{k} {v:g}%" for k, v in prof["parts_pct"].items())
+        print(f"Profile of (d), {shape} ({prof['samples']} samples at"
+              f" {prof['rps_while_profiled']:g} req/s): {parts}")
     ls = report["ledger_scale"]
     print()
     if "output" in ls:
@@ -1230,9 +1418,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2,
                    help="configuration (e): extproc serve --workers N (0: leave it out)")
     p.add_argument("--shapes", default="short,chat,long")
-    p.add_argument("--configs", default=",".join(v.key for v in VARIANTS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="any of " + ",".join(v.key for v in VARIANTS))
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="shorter runs (a smoke test)")
+    p.add_argument("--profile", type=float, default=4.0, metavar="SECONDS",
+                   help="py-spy on (d) under saturation, per shape (0: off)")
+    p.add_argument("--profile-native", action="store_true",
+                   help="py-spy --native: C and Cython frames too (uvloop, grpc, tokenizers)")
     p.add_argument("--no-ledger-scale", dest="ledger_scale", action="store_false",
                    help="skip benchmarks/ledger_scale.py")
     args = p.parse_args(argv)

@@ -35,13 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from extproc import config  # noqa: E402
-from extproc.admission import charge_ms  # noqa: E402
 from extproc.capacity import StaticCapacity  # noqa: E402
-from extproc.estimate import TokenizerCounter, cost_for  # noqa: E402
+from extproc.estimate import TokenizerCounter, prompt_tokens  # noqa: E402
 from extproc.gate import Gate  # noqa: E402
 from extproc.ledger.memory import MemoryLedger  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
 from extproc.request import parse  # noqa: E402
+from extproc.step import Ask, charge_of  # noqa: E402
 
 WORDS = ("the", "model", "should", "explain", "how", "the", "scheduler", "batches", "requests",
          "and", "why", "a", "queue", "forms", "when", "prompts", "are", "long", "while",
@@ -116,7 +116,10 @@ async def long_cold(requests: int, seed: int) -> dict[str, Any]:
         began = time.perf_counter()
         tokens = reference.count(request.texts)
         count_s.append(time.perf_counter() - began)
-        exact = charge_ms(cost_for(request, cfg.pools[0], tokens), capacity)
+        pool = cfg.pools[0]
+        exact = charge_of(Ask(route.service_class, prompt_tokens(request, pool, tokens),
+                              request.max_tokens), pool, gate.learning[pool.name],
+                          capacity.replicas)
         charged = (await ledger.snapshot("llama")).outstanding_ms
         errors.append(abs(charged - exact) / exact)
         await gate.settle(verdict.ticket)

@@ -8,9 +8,10 @@ It answers every phase Envoy sends with "continue" and decides nothing. Everythi
 - the same server options (``extproc.server.server_options``) and the same "continue"
   answers (``extproc.responses.continue_phase``).
 
-Envoy is configured exactly as for ``extproc serve`` (``extproc.envoyconf``: request headers
-sent, request body BUFFERED_PARTIAL, every response phase skipped), so each request costs the
-same two round trips (headers, then body) and the stream stays open until the request ends.
+Envoy is configured exactly as for ``extproc serve`` (``extproc.envoyconf``, in either
+processing mode: one trip, a clean request's body alone with its headers as attributes; or two
+trips, headers then body; every response phase skipped), so each request costs the same round
+trips as it would with ``extproc serve`` and the stream stays open until the request ends.
 
 Usage::
 

@@ -91,6 +91,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
         fail_open=not args.fail_closed, status_on_error=args.status_on_error,
         extra_extprocs=tuple(envoyconf.extproc_endpoint(shifted(config.listen, i))
                              for i in range(1, args.workers)),
+        one_trip=not args.two_trips,
     )
     text = envoyconf.render(config, topo)
     if args.output:
@@ -229,6 +230,9 @@ def parser() -> argparse.ArgumentParser:
                    help="what a fail-closed Envoy answers while the processor is unreachable")
     e.add_argument("--workers", type=_count, default=1,
                    help="endpoints of `extproc serve --workers N` to balance streams across")
+    e.add_argument("--two-trips", action="store_true",
+                   help="send every request's headers, then its body (default: one gRPC trip"
+                        " for a request whose headers condemn nothing; docs/performance.md)")
     e.add_argument("--output", "-o")
     e.set_defaults(func=_envoy_config)
 

@@ -12,6 +12,9 @@ Choices made here, each matching what the server expects:
 - ext_proc processing modes: request headers SEND; request body BUFFERED_PARTIAL; every
   response phase SKIP (the stream still lasts until the request ends, which is how the ledger
   learns completion); ``allow_mode_override`` so paths we do not manage skip their body.
+  One trip (``Topology.one_trip``, the default: it measured cheaper, docs/performance.md): an
+  admission POST whose headers condemn nothing skips the headers phase on a route of its own
+  (``_routes``), its headers sent as attributes with the body.
 - Body limit: the listener's buffer limit is ``max_body_bytes`` plus a little, so a body up to
   the cap reaches us whole and a larger one arrives cut short; the server then answers our
   413 JSON, never Envoy's plain-text 413.
@@ -100,6 +103,7 @@ from envoy_data_plane.envoy.config.endpoint.v3 import (
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import (
+    HeaderMatcher,
     Route,
     RouteAction,
     RouteConfiguration,
@@ -108,8 +112,11 @@ from envoy_data_plane.envoy.config.route.v3 import (
 )
 from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
+from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer, BufferPerRoute
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
+    ExtProcOverrides,
+    ExtProcPerRoute,
     HeaderForwardingRules,
     MetadataOptions,
     MetadataOptionsMetadataNamespaces,
@@ -140,10 +147,11 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptionsExplicitHttpConfig,
 )
 from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
-from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
+from envoy_data_plane.envoy.type.v3 import HttpStatus, Int64Range, Percent, StatusCode
 from envoy_data_plane.google.protobuf import Any as AnyProto
 
 from extproc.config import Config, TenantConfig, TenantSource
+from extproc.request import REQUEST_TIME, forwarded_headers, header_attribute
 
 BUFFER_SLACK_BYTES = 1024
 MAX_DOWNSTREAM_CONNECTIONS = 100_000
@@ -238,6 +246,9 @@ class Topology:
     http_filters: tuple[HttpFilter, ...] = ()
     extproc_tls: ExtprocTls | None = None  # mTLS towards the processor (its ``tls`` section)
     request_timeout_s: float = 30.0  # to receive a whole request (headers and body)
+    # One gRPC round trip per admission request whose headers condemn nothing (``_routes``);
+    # False: headers, then body, for every request (two trips)
+    one_trip: bool = True
 
 
 @dataclass(frozen=True)
@@ -337,6 +348,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     """The bootstrap as typed ``envoy-data-plane`` messages (a misspelled field or a wrong
     type fails here), returned in the protobuf JSON form Envoy loads."""
     doc = _Doc()
+    one_trip = topo.one_trip and topo.processor
     ext_proc = HttpFilter(name="envoy.filters.http.ext_proc", typed_config=doc.pack(doc.explicit(
         ExternalProcessor(
             grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name="extproc")),
@@ -345,15 +357,12 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             message_timeout=_s(2),
             allow_mode_override=True,
             forward_rules=_forward_rules(config),
+            # one trip: the headers the sidecar reads, with the body (_routes); Envoy 1.40
+            # sends a filter's attributes with a stream's first message and ignores a
+            # route's own list
+            request_attributes=_attributes(config) if one_trip else [],
             metadata_options=_forwarded_metadata(config.tenant),
-            processing_mode=doc.explicit(ProcessingMode(
-                request_header_mode=_HEADER.SEND,
-                response_header_mode=_HEADER.SKIP,
-                request_body_mode=_BODY.BUFFERED_PARTIAL,
-                response_body_mode=_BODY.NONE,
-                request_trailer_mode=_HEADER.SKIP,
-                response_trailer_mode=_HEADER.SKIP,
-            ), "response_body_mode"),
+            processing_mode=_processing_mode(doc, _HEADER.SEND),
         ), "failure_mode_allow")))
     hcm = doc.explicit(HttpConnectionManager(
         stat_prefix="ingress",
@@ -363,12 +372,16 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         route_config=RouteConfiguration(name="inference", virtual_hosts=[VirtualHost(
             name="inference",
             domains=["*"],
-            routes=[Route(match=RouteMatch(prefix="/"),
-                          route=RouteAction(cluster="inference", timeout=_s(0)))],
+            routes=_routes(doc, config, one_trip),
         )]),
         http_filters=[
             *topo.http_filters,
             *([ext_proc] if topo.processor else []),
+            # one trip: holds the request's headers back from the router until its body is
+            # in and past ext_proc (_routes); only on the one-trip routes
+            *([HttpFilter(name=BUFFER_FILTER, typed_config=doc.pack(Buffer(
+                max_request_bytes=config.max_body_bytes + BUFFER_SLACK_BYTES)))]
+              if one_trip else []),
             HttpFilter(name="envoy.filters.http.router", typed_config=doc.pack(Router())),
         ],
     ), "codec_type")
@@ -441,16 +454,63 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     ))
 
 
-def forwarded_headers(config: Config) -> tuple[str, ...]:
-    """The request headers the sidecar reads (server.py, gate.py, tenant.py, telemetry.py),
-    the only ones Envoy sends it. Pseudo-headers count as headers for Envoy's matcher."""
-    names = [":path", ":method", "content-type", "content-length", "content-encoding",
-             config.deadline_header, "traceparent", "tracestate"]
-    if config.tenant.source is TenantSource.HEADER:
-        names.append(config.tenant.header)
-    if config.priority.header is not None:
-        names.append(config.priority.header)
-    return tuple(dict.fromkeys(name.lower() for name in names))
+def _processing_mode(doc: _Doc, request_headers: ProcessingModeHeaderSendMode
+                     ) -> ProcessingMode:
+    """The request's headers as given (SEND, or SKIP for one trip), its body BUFFERED_PARTIAL,
+    every response phase skipped."""
+    return doc.explicit(ProcessingMode(
+        request_header_mode=request_headers,
+        response_header_mode=_HEADER.SKIP,
+        request_body_mode=_BODY.BUFFERED_PARTIAL,
+        response_body_mode=_BODY.NONE,
+        request_trailer_mode=_HEADER.SKIP,
+        response_trailer_mode=_HEADER.SKIP,
+    ), "response_body_mode")
+
+
+def _attributes(config: Config) -> list[str]:
+    """What one trip's body brings (``extproc.request.headers_from_attributes``): the start of
+    the request and the headers the sidecar reads but ``content-length`` (the route checked
+    it, and Envoy leaves it out of a buffered body's attributes)."""
+    return [REQUEST_TIME, *(header_attribute(name) for name in forwarded_headers(config)
+                            if name != "content-length")]
+
+
+def _routes(doc: _Doc, config: Config, one_trip: bool) -> list[Route]:
+    """Every request goes to the inference cluster. With ``one_trip``, an admission path's
+    POST whose headers condemn nothing (a ``content-length`` from 1 to ``max_body_bytes``,
+    ``content-type: application/json``, no ``content-encoding``) takes a route whose ext_proc
+    skips the headers phase: the body alone goes to the sidecar, with the headers it reads
+    as attributes (``_attributes``) and the request's start time. Any
+    other request keeps both phases, so what the headers condemn is answered at once (413,
+    415, a body-less POST's 400) and the rest is checked as before.
+
+    Without the headers phase, ext_proc lets the headers go on at once and holds only the
+    body: the router would open the upstream request before the decision (measured: the
+    backend saw every request, refused ones too, re-framed as chunked). The buffer filter
+    after ext_proc holds them until the whole body has passed ext_proc, so a refused request
+    never reaches the backend; it is disabled on every other route."""
+    upstream = RouteAction(cluster="inference", timeout=_s(0))
+    if not one_trip:
+        return [Route(match=RouteMatch(prefix="/"), route=upstream)]
+    everything = Route(match=RouteMatch(prefix="/"), route=upstream, typed_per_filter_config={
+        BUFFER_FILTER: doc.pack(BufferPerRoute(disabled=True))})
+    overrides = ExtProcPerRoute(overrides=ExtProcOverrides(
+        processing_mode=_processing_mode(doc, _HEADER.SKIP)))
+    clean = [
+        HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST")),
+        HeaderMatcher(name="content-length",
+                      range_match=Int64Range(start=1, end=config.max_body_bytes + 1)),
+        HeaderMatcher(name="content-type",
+                      string_match=StringMatcher(exact="application/json", ignore_case=True)),
+        HeaderMatcher(name="content-encoding", present_match=True, invert_match=True),
+    ]
+    return [*(Route(match=RouteMatch(path=route.path, headers=clean), route=upstream,
+                    typed_per_filter_config={"envoy.filters.http.ext_proc": doc.pack(overrides)})
+              for route in config.routes), everything]
+
+
+BUFFER_FILTER = "envoy.filters.http.buffer"
 
 
 def _forward_rules(config: Config) -> HeaderForwardingRules:

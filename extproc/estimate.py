@@ -98,19 +98,22 @@ class TokenizerCounter:
         if len(self._young) >= max(1, self.cache_entries // 2):
             self._old, self._young = self._young, {}
 
+    def _lookup(self, text: str) -> int | None:
+        """The text's remembered count, if any (hold the lock)."""
+        if len(text) < CACHE_MIN_CHARS:
+            return None
+        key = (len(text), hash(text))
+        hit = self._young.get(key)
+        if hit is None and (hit := self._old.get(key)) is not None:
+            self._remember(key, hit)  # used again: it lives another generation
+        return hit
+
     def cached(self, texts: Sequence[str]) -> tuple[int, list[str]]:
         """``(tokens of the texts counted before, the texts not counted yet)``."""
         known, missing = 0, []
         with self._lock:
             for text in texts:
-                if len(text) < CACHE_MIN_CHARS:
-                    missing.append(text)
-                    continue
-                key = (len(text), hash(text))
-                hit = self._young.get(key)
-                if hit is None and (hit := self._old.get(key)) is not None:
-                    self._remember(key, hit)  # used again: it lives another generation
-                if hit is None:
+                if (hit := self._lookup(text)) is None:
                     missing.append(text)
                 else:
                     known += hit
@@ -122,16 +125,36 @@ class TokenizerCounter:
             return known
         if sum(len(t) for t in missing) > self.exact_max_bytes:
             return known + self._fallback.count(missing)
-        try:
-            encodings = self._tokenizer.encode_batch_fast(missing, add_special_tokens=False)
-        except Exception as exc:  # tokenizers raises plain Exceptions on unencodable input
-            raise BadRequest("prompt text could not be tokenized") from exc
-        counts = [len(e) for e in encodings]
+        return known + sum(self.counts(missing))
+
+    def counts(self, texts: Sequence[str]) -> list[int]:
+        """Each text's exact count, in one call of the tokenizer (which releases the GIL) for
+        the texts not cached; every text is counted whatever its length (``count`` applies
+        ``exact_max_bytes`` to a request's texts together)."""
+        out: list[int | None] = []
+        todo: dict[tuple[int, int], list[int]] = {}  # a text twice in a batch: counted once
+        order: list[str] = []
         with self._lock:
-            for text, n in zip(missing, counts, strict=True):
-                if len(text) >= CACHE_MIN_CHARS:
-                    self._remember((len(text), hash(text)), n)
-        return known + sum(counts)
+            for i, text in enumerate(texts):
+                out.append(hit := self._lookup(text))
+                if hit is None:
+                    key = (len(text), hash(text))
+                    if key not in todo:
+                        order.append(text)
+                    todo.setdefault(key, []).append(i)
+        if order:
+            try:
+                encodings = self._tokenizer.encode_batch_fast(order, add_special_tokens=False)
+            except Exception as exc:  # tokenizers raises plain Exceptions on unencodable input
+                raise BadRequest("prompt text could not be tokenized") from exc
+            with self._lock:
+                for text, encoding in zip(order, encodings, strict=True):
+                    key, n = (len(text), hash(text)), len(encoding)
+                    if len(text) >= CACHE_MIN_CHARS:
+                        self._remember(key, n)
+                    for i in todo[key]:
+                        out[i] = n
+        return [n or 0 for n in out]
 
 
 class Calibration:

@@ -177,7 +177,11 @@ class Gate:
         ``tenant``: who is charged, as the server resolved it from what Envoy vouches for."""
         with self.tracing.span(trace or {}, headers) as span:
             started = time.perf_counter()
-            verdict = await self._check(route, path, headers, body, tenant)
+            self.pricing.deciding += 1  # where prompts are counted (extproc.pricing)
+            try:
+                verdict = await self._check(route, path, headers, body, tenant)
+            finally:
+                self.pricing.deciding -= 1
             if verdict.tenant is not tenant:  # a refusal before the decision
                 verdict = dataclasses.replace(verdict, tenant=tenant)
             elapsed = time.perf_counter() - started

@@ -1,11 +1,20 @@
 """Pricing a request: its prompt counted, or estimated and counted exactly afterwards.
 
 Texts counted before cost a lookup (``TokenizerCounter``'s cache: a chat turn pays only for its
-new message). New text up to ``ESTIMATE_CHARS`` is counted on the event loop (about 2.5 ms at
-the limit). Longer new text (a long prompt never seen: 8,000 tokens take ~20 ms to count) is
-priced by the pool's ``Calibration`` instead, and the decision is taken at once when it comes
-out the same at the estimate's low and high ends (``margin``) on the local view of the ledger
-(the gate says whether it does: ``close``); only a close decision waits for the exact count, on
+new message). New text up to ``ESTIMATE_CHARS`` is counted exactly before the decision. While
+other decisions are under way in the process (``OFFLOAD_WHEN_DECIDING``), off the event loop
+(``Batches``): the texts of every request deciding at that moment go to the tokenizer
+together, in one ``encode_batch_fast`` call on a thread of their own, which releases the GIL,
+so the loop goes on parsing, deciding and answering other streams meanwhile (a 200-token
+message takes ~0.35 ms of a core to count: a quarter of a decision's CPU when it ran on the
+loop). One thread, so a batch waits at most for the one before it; a text twice in a batch is
+counted once, and a text counted before is a cache hit. A decision alone in the process
+counts on the loop: no other stream waits for the loop, and the trip to the thread would add
+two thread wake-ups to its latency. Longer new text (a long
+prompt never seen: 8,000 tokens take ~20 ms to count) is priced by the pool's ``Calibration``
+instead, and the decision is taken at once when it comes out the same at the estimate's low
+and high ends (``margin``) on the local view of the ledger (the gate says whether it does:
+``close``); only a close decision waits for the exact count, on
 the counting thread (``encode_batch_fast`` releases the GIL), and for at most ``COUNT_WAIT_S``:
 a thread behind on a burst of long cold prompts would otherwise hold decisions past Envoy's
 message timeout (which forwards the request unchecked when fail-open). Past it the decision is
@@ -26,12 +35,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from extproc.config import Config, Pool
 from extproc.errors import RequestError
-from extproc.estimate import Calibration, TokenCounter, counter_for, prompt_tokens
+from extproc.estimate import (
+    Calibration,
+    TokenCounter,
+    TokenizerCounter,
+    counter_for,
+    prompt_tokens,
+)
 from extproc.metrics import Metrics
 from extproc.request import InferenceRequest
 from extproc.step import Ask
@@ -39,6 +55,11 @@ from extproc.step import Ask
 ESTIMATE_CHARS = 8 * 1024  # new prompt text longer than this is estimated (docstring)
 MAX_PENDING_COUNTS = 8  # exact counts queued for the counting thread; beyond, estimates stay
 COUNT_WAIT_S = 0.25  # the most a close decision waits for its exact count (docstring)
+# New text goes to the batch thread when at least this many decisions are under way (this one
+# included; ``Pricing.deciding``); fewer: counted on the loop (docstring). 1: always the
+# thread; a number no process reaches: always the loop (as before issue 19; the benchmark's
+# side-by-side variant sets it so).
+OFFLOAD_WHEN_DECIDING = 2
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,81 @@ class Uncounted:
     chars: int
     known: int  # tokens of the request's texts counted before
     counting: asyncio.Future[int] | None = field(default=None, repr=False)  # already begun
+
+
+_Waiting = tuple[TokenCounter, Sequence[str], "asyncio.Future[int]"]
+
+
+class Batches:
+    """Exact counts for the requests deciding now, counted together on one thread (module
+    docstring): while a batch is counted the next one gathers; when it is done, the next goes.
+    """
+
+    def __init__(self) -> None:
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, "extproc-batch")
+        self._waiting: list[_Waiting] = []
+        self._busy = False
+
+    async def count(self, counter: TokenCounter, texts: Sequence[str]) -> int:
+        """The texts' exact token count (``RequestError`` if they cannot be tokenized)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+        self._waiting.append((counter, texts, done))
+        self._next(loop)
+        return await done
+
+    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._busy or not self._waiting:
+            return
+        batch, self._waiting = self._waiting, []
+        self._busy = True
+        work = loop.run_in_executor(self.thread, _count_batch,
+                                    [(counter, texts) for counter, texts, _ in batch])
+        work.add_done_callback(functools.partial(self._settle, loop, batch))
+
+    def _settle(self, loop: asyncio.AbstractEventLoop, batch: list[_Waiting],
+                work: asyncio.Future[list[int | RequestError]]) -> None:
+        self._busy = False
+        try:
+            results = work.result()
+        except Exception as exc:  # a bug in counting: each request hears of it
+            results = [RequestError(str(exc))] * len(batch)
+        for (_, _, done), result in zip(batch, results, strict=True):
+            if done.done():  # its stream went away
+                continue
+            if isinstance(result, RequestError):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
+        self._next(loop)
+
+
+def _count_batch(batch: Sequence[tuple[TokenCounter, Sequence[str]]]) -> list[int | RequestError]:
+    """Each request's count (or why its texts cannot be counted), on the batch thread: the
+    texts of requests sharing a tokenizer in one call; if that call fails, request by request,
+    so one request's unencodable text fails only that request."""
+    out: list[int | RequestError] = [0] * len(batch)
+    groups: dict[int, list[int]] = {}
+    for i, (counter, _) in enumerate(batch):
+        groups.setdefault(id(counter), []).append(i)
+    for members in groups.values():
+        counter = batch[members[0]][0]
+        if isinstance(counter, TokenizerCounter) and len(members) > 1:
+            texts = [t for i in members for t in batch[i][1]]
+            try:
+                counts = iter(counter.counts(texts))
+            except RequestError:
+                pass
+            else:
+                for i in members:
+                    out[i] = sum(next(counts) for _ in batch[i][1])
+                continue
+        for i in members:
+            try:
+                out[i] = counter.count(batch[i][1])
+            except RequestError as exc:
+                out[i] = exc
+    return out
 
 
 class Pricing:
@@ -63,6 +159,8 @@ class Pricing:
         self.calibrations = {p.name: Calibration(p.bytes_per_token) for p in config.pools}
         self.counting = concurrent.futures.ThreadPoolExecutor(1, "extproc-count")
         self.pending = 0  # exact counts waiting for or running on that thread
+        self.batches = Batches()  # exact counts before a decision
+        self.deciding = 0  # decisions under way in the process (``Gate.check`` counts them)
 
     @staticmethod
     def _priced_at(request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
@@ -82,7 +180,11 @@ class Pricing:
         if not missing or not counter.exact or chars <= ESTIMATE_CHARS:
             how = "counted" if missing else "cached"
             self.metrics.prompt_counts.labels(pool.name, how).inc()
-            text = known + counter.count(missing)
+            if missing and counter.exact and self.deciding >= OFFLOAD_WHEN_DECIDING:
+                # off the loop, with the texts of the other requests deciding now
+                text = known + await self.batches.count(counter, missing)
+            else:  # alone, nothing new, or a byte count: the trip to the thread buys nothing
+                text = known + counter.count(missing)
             return self._priced_at(request, pool, cls, deadline, text), None
         calibration = self.calibrations[pool.name]
         guess = calibration.estimate(chars)

@@ -34,11 +34,11 @@ behind vLLM, does not; TGI wants ``application/json``).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.config import Api
+from extproc.config import Api, Config, TenantSource
 from extproc.errors import BadRequest, UnsupportedMedia
 
 MAX_PROMPTS = 4096  # list prompts / embedding inputs per request
@@ -99,6 +99,45 @@ def check_content_type(value: str | None) -> None:
         if name.strip() == "charset" and charset.strip().strip('"') not in ("utf-8", "utf8"):
             raise UnsupportedMedia("request bodies must be encoded in UTF-8",
                                    code="unsupported_media_type")
+
+
+def forwarded_headers(config: Config) -> tuple[str, ...]:
+    """The request headers the sidecar reads (server.py, gate.py, tenant.py, telemetry.py),
+    the only ones Envoy sends it (``extproc.envoyconf``). Pseudo-headers count as headers for
+    Envoy's matcher."""
+    names = [":path", ":method", "content-type", "content-length", "content-encoding",
+             config.deadline_header, "traceparent", "tracestate"]
+    if config.tenant.source is TenantSource.HEADER:
+        names.append(config.tenant.header)
+    if config.priority.header is not None:
+        names.append(config.priority.header)
+    return tuple(dict.fromkeys(name.lower() for name in names))
+
+
+# One trip (``extproc.envoyconf``): the request's headers are not sent, its body comes with
+# Envoy's attributes, these CEL expressions for the headers the sidecar reads and the time the
+# request began (its wait: extproc.server), in ``ProcessingRequest.attributes`` under the
+# filter's name. A header sent twice arrives as one value joined by commas.
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+REQUEST_TIME = "request.time"
+_PSEUDO = {":path": "request.path", ":method": "request.method"}
+
+
+def header_attribute(name: str) -> str:
+    """The attribute Envoy sends a request header's value as (``name`` lower-case)."""
+    return _PSEUDO.get(name) or f'request.headers["{name}"]'
+
+
+def headers_from_attributes(attributes: Any, names: Sequence[str]) -> dict[str, str]:
+    """The headers among ``names`` that the request had, from the ``Struct`` of attributes
+    (a header it lacked, or a value that is not a string, is left out)."""
+    fields = attributes.fields
+    out = {}
+    for name in names:
+        key = header_attribute(name)
+        if key in fields and fields[key].WhichOneof("kind") == "string_value":
+            out[name] = fields[key].string_value
+    return out
 
 
 def deadline_ms(headers: Mapping[str, str], header: str) -> float | None:

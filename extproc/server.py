@@ -4,7 +4,10 @@ Envoy opens one stream per HTTP request and (with every response phase skipped) 
 until the request has finished, so the stream's end is the request's end: the ledger entry is
 released in ``finally`` whether the stream ends cleanly, is cancelled (client gone) or fails.
 
-Phases: request headers are always sent. A path not configured for admission is answered with
+Phases: request headers are sent, except on the one-trip route (``extproc.envoyconf``): an
+admission POST whose headers condemn nothing sends its body alone, with the headers we read as
+attributes (``extproc.request.headers_from_attributes``), and they are checked there as the
+headers phase would (``_condemned``). A path not configured for admission is answered with
 a mode override that skips its body (it passes untouched). For admission paths the body comes
 BUFFERED_PARTIAL: Envoy buffers up to its limit (set just above ``max_body_bytes``) and sends
 what it has; a body that did not end within the limit, or a ``content-length`` over the cap,
@@ -32,7 +35,8 @@ gRPC's buffers and the event loop, not in anything we count) and past Envoy's
 gave up on. The wait shows per request, though: from our answer to its headers to its body
 reaching us is one trip through that queue (a fraction of a millisecond when idle). One
 request's wait also holds its client's upload time (a large body on a slow link), so the
-signal is the median of the last ``Backlog.SIZE`` requests' waits: while it is over
+signal is the median of the last ``Backlog.SIZE`` requests' waits (one trip: from the
+request's start, Envoy's ``request.time``, to its body reaching us): while it is over
 ``shed_wait_ms``, bodies get 429 ``processor_overloaded`` (the Retry-After minimum) at once,
 unparsed. A refusal costs a small fraction of a decision, so the queue drains, the waits fall,
 shedding stops, and the answers stay fast. Requests are refused then without asking whether the GPUs
@@ -63,6 +67,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
+from datetime import datetime
 
 import grpc
 from aiohttp import web
@@ -78,7 +83,7 @@ from extproc.capacity import (
     KubernetesCapacity,
     StaticCapacity,
 )
-from extproc.config import Config, ContentEncoding
+from extproc.config import Config, ContentEncoding, Route
 from extproc.control import Control
 from extproc.enginestats import EngineStats, Targets
 from extproc.errors import BodyTooLarge, LedgerUnavailable, RequestError
@@ -90,7 +95,13 @@ from extproc.ledger import Ledger
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 from extproc.metrics import Metrics
-from extproc.request import check_content_type
+from extproc.request import (
+    ATTRIBUTES_KEY,
+    REQUEST_TIME,
+    check_content_type,
+    forwarded_headers,
+    headers_from_attributes,
+)
 from extproc.retry import retry_delay_ms
 from extproc.telemetry import Tracing
 from extproc.tenant import Tenant, Tenants
@@ -147,6 +158,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.streams_started = 0  # ever: a drain sample sees streams that came and went
         self.backlog = Backlog(self.config.shed_wait_ms / 1000.0)
         self.tenants = Tenants(gate.config.tenant)
+        self.header_names = forwarded_headers(self.config)  # what one trip's attributes hold
 
     async def Process(
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -158,24 +170,30 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         deciding = False  # a body's decision is under way
         completed = False
         try:
-            headers: Mapping[str, str] = {}
+            headers: Mapping[str, str] | None = None  # None: none came (one trip)
             tenant: Tenant | None = None
             answered = time.monotonic()  # when we last answered Envoy
             async for message in requests:
                 phase = message.WhichOneof("request")
                 if phase == "request_headers" and not decided:
                     headers = header_map(message.request_headers)
-                    tenant = self._tenant(message)
+                    tenant = self._tenant(message, headers)
                     answer, verdict = await self._on_headers(message.request_headers, headers,
                                                              tenant=tenant)
                 elif phase == "request_body" and not decided:
-                    waited = time.monotonic() - answered
+                    one_trip = headers is None
+                    if headers is None:  # one trip: the headers came as the body's attributes
+                        headers, waited = self._attributes(message)
+                        tenant = self._tenant(message, headers)
+                    else:
+                        waited = time.monotonic() - answered
                     self.backlog.add(waited)
                     self.gate.metrics.processor_wait.observe(waited)
                     trace = _trace_context(context) if self.gate.tracing.enabled else {}
                     deciding = True
                     answer, verdict = await self._on_body(message.request_body, headers,
-                                                          trace, tenant=tenant)
+                                                          trace, tenant=tenant,
+                                                          one_trip=one_trip)
                     deciding = False
                 else:
                     # a phase we did not ask for, or a request phase repeated after the
@@ -195,14 +213,32 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if ticket is not None:
                 await self.gate.settle(ticket, completed)
 
-    def _tenant(self, message: pb.ProcessingRequest) -> Tenant | None:
+    def _tenant(self, message: pb.ProcessingRequest, headers: Mapping[str, str]
+                ) -> Tenant | None:
         """Who is charged: only from the metadata Envoy forwarded or a header Envoy set
-        (extproc.tenant); every copy of the header is passed, as Envoy sent it."""
+        (extproc.tenant); every copy of the header is passed, as Envoy sent it (one trip:
+        the copies come joined by commas, which reads as ambiguous, as two copies do)."""
         if not self.tenants.enabled:
             return None
-        pairs = [(h.key, h.raw_value.decode("latin-1") if h.raw_value else h.value)
-                 for h in message.request_headers.headers.headers]
+        pairs = ([(h.key, h.raw_value.decode("latin-1") if h.raw_value else h.value)
+                  for h in message.request_headers.headers.headers]
+                 if message.HasField("request_headers") else list(headers.items()))
         return self.tenants.resolve(message.metadata_context.filter_metadata, pairs)
+
+    def _attributes(self, message: pb.ProcessingRequest) -> tuple[dict[str, str], float]:
+        """One trip: the headers the body's attributes carry, and how long the request
+        waited since it began (``request.time``; the processor's queue, module docstring)."""
+        if ATTRIBUTES_KEY not in message.attributes:
+            return {}, 0.0
+        attributes = message.attributes[ATTRIBUTES_KEY]
+        headers = headers_from_attributes(attributes, self.header_names)
+        began = (attributes.fields[REQUEST_TIME].string_value
+                 if REQUEST_TIME in attributes.fields else "")
+        try:
+            waited = time.time() - datetime.fromisoformat(began).timestamp()
+        except ValueError:
+            waited = 0.0
+        return headers, max(0.0, waited)
 
     async def _on_headers(
         self, message: pb.HttpHeaders, headers: Mapping[str, str], *,
@@ -212,26 +248,37 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if route is None or headers.get(":method", "POST") != "POST":
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
                                          mode_override=_SKIP_BODY), None
-        if _declared_length(headers.get("content-length", "")) > self.config.max_body_bytes:
-            return self._answer(self._too_large(route.service_class, tenant))
-        try:  # a body we can read: JSON (extproc.request), in a coding we take (.encoding)
-            check_content_type(headers.get("content-type"))
-            self._coding(headers)
-        except RequestError as exc:
-            return self._answer(self.gate.refuse(exc, route.service_class, tenant))
+        if (condemned := self._condemned(route, headers, tenant)) is not None:
+            return self._answer(condemned)
         if message.end_of_stream:  # a POST without a body: decide now (it is a 400)
             return self._answer(await self.gate.check(route, headers[":path"], headers, b"",
                                                       tenant=tenant))
         return responses.continue_headers(), None
 
+    def _condemned(self, route: Route, headers: Mapping[str, str],
+                   tenant: Tenant | None) -> Verdict | None:
+        """The refusal of what the headers alone condemn, if they do: a ``content-length``
+        over the cap (413), a body we cannot read (415: not JSON, extproc.request, or in a
+        coding we do not take, extproc.encoding)."""
+        if _declared_length(headers.get("content-length", "")) > self.config.max_body_bytes:
+            return self._too_large(route.service_class, tenant)
+        try:
+            check_content_type(headers.get("content-type"))
+            self._coding(headers)
+        except RequestError as exc:
+            return self.gate.refuse(exc, route.service_class, tenant)
+        return None
+
     async def _on_body(
         self, message: pb.HttpBody, headers: Mapping[str, str], trace: Mapping[str, str], *,
-        tenant: Tenant | None = None,
+        tenant: Tenant | None = None, one_trip: bool = False,
     ) -> tuple[pb.ProcessingResponse, Verdict | None]:
         path = headers.get(":path", "")
         route = self.config.route(path)
-        if route is None:
+        if route is None or headers.get(":method", "POST") != "POST":
             return responses.continue_body(), None
+        if one_trip and (condemned := self._condemned(route, headers, tenant)) is not None:
+            return self._answer(condemned)  # Envoy's route checked them: only if it changed
         if self.backlog.behind:  # we are the queue: shed, unparsed (module docstring)
             return self._answer(self.gate.shed(route.service_class, tenant))
         if not message.end_of_stream or len(message.body) > self.config.max_body_bytes:

@@ -105,3 +105,26 @@ def test_a_port_in_use_is_one_line_for_serve_and_fake_backend(tmp_path: Path) ->
             assert result.returncode == 1, result.stderr
             assert "extproc: cannot listen" in result.stderr and str(port) in result.stderr
             assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_envoy_config_renders_one_trip_unless_two_are_asked_for(tmp_path: Path) -> None:
+    """One trip by default (docs/performance.md): a clean admission POST skips the headers
+    phase and a buffer filter holds its headers back; --two-trips renders neither."""
+    import yaml
+
+    from extproc.cli import main
+
+    def modes(*flags: str) -> tuple[set[str], list[str]]:
+        out = tmp_path / f"envoy{len(flags)}.yaml"
+        assert main(["envoy-config", "-o", str(out), *flags]) == 0
+        hcm = yaml.safe_load(out.read_text())["static_resources"]["listeners"][0][
+            "filter_chains"][0]["filters"][0]["typed_config"]
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        skipped = {r["match"].get("path", "") for r in routes
+                   if "envoy.filters.http.ext_proc" in r.get("typed_per_filter_config", {})}
+        return skipped, [f["name"] for f in hcm["http_filters"]]
+
+    skipped, filters = modes()
+    assert "/v1/chat/completions" in skipped and "envoy.filters.http.buffer" in filters
+    assert modes("--two-trips") == (set(), ["envoy.filters.http.ext_proc",
+                                            "envoy.filters.http.router"])

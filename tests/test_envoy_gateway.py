@@ -21,18 +21,22 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.struct_pb2 import Struct
 
 from extproc import config, envoyconf
+from extproc.request import REQUEST_TIME, header_attribute, headers_from_attributes
 from extproc_dev.stack import envoy_binary, free_port, wait_http
 
 pytestmark = pytest.mark.integration
 
 
 class RecordingProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """Continues every phase and keeps the request headers each stream carried."""
+    """Continues every phase and keeps the request headers each stream carried (one trip:
+    every attribute its body carried, by attribute name)."""
 
     def __init__(self) -> None:
         self.headers: list[dict[str, str]] = []
+        self.attributes: list[dict[str, str]] = []
 
     def Process(self, requests: Iterator[pb.ProcessingRequest], context: Any
                 ) -> Iterator[pb.ProcessingResponse]:
@@ -42,6 +46,9 @@ class RecordingProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[mis
                                      for h in request.request_headers.headers.headers})
                 yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
             elif request.HasField("request_body"):
+                for struct in request.attributes.values():
+                    self.attributes.append({k: v.string_value
+                                            for k, v in struct.fields.items()})
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
@@ -76,7 +83,8 @@ class Backend(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def gateway(tmp_path: Path, settings: dict[str, Any], request_timeout_s: float = 30.0
+def gateway(tmp_path: Path, settings: dict[str, Any], request_timeout_s: float = 30.0,
+            one_trip: bool = envoyconf.Topology.one_trip
             ) -> Iterator[tuple[str, RecordingProcessor, subprocess.Popen[str]]]:
     processor = RecordingProcessor()
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -90,7 +98,7 @@ def gateway(tmp_path: Path, settings: dict[str, Any], request_timeout_s: float =
     topo = envoyconf.Topology(listen_port=port, admin_port=admin,
                               backends=(("127.0.0.1", backend.server_address[1]),),
                               extproc=("127.0.0.1", grpc_port),
-                              request_timeout_s=request_timeout_s)
+                              request_timeout_s=request_timeout_s, one_trip=one_trip)
     path = tmp_path / "envoy.yaml"
     path.write_text(envoyconf.render(config.from_mapping(settings), topo))
     envoy = subprocess.Popen([envoy_binary(), "-c", str(path), "--log-level", "warning",
@@ -106,6 +114,12 @@ def gateway(tmp_path: Path, settings: dict[str, Any], request_timeout_s: float =
         backend.shutdown()
         backend.server_close()
         grpc_server.stop(0)
+
+
+def _struct(values: dict[str, str]) -> Struct:
+    out = Struct()
+    out.update(values)
+    return out
 
 
 def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
@@ -126,23 +140,33 @@ def test_envoy_starts_without_a_warning(tmp_path: Path) -> None:
     assert warnings == [], log
 
 
-def test_clients_credentials_reach_the_backend_never_the_sidecar(tmp_path: Path) -> None:
+@pytest.mark.parametrize("one_trip", [True, False])
+def test_clients_credentials_reach_the_backend_never_the_sidecar(tmp_path: Path,
+                                                                 one_trip: bool) -> None:
     secrets = {"authorization": "Bearer sk-secret-1", "cookie": "session=secret-2",
                "x-api-key": "secret-3", "api-key": "secret-4"}
     wanted = {"content-type": "application/json", "x-admission-deadline-ms": "9000",
               "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
-    with gateway(tmp_path, {"tenant": {"source": "header"}}) as (url, processor, _):
+    settings = {"tenant": {"source": "header"}}
+    with gateway(tmp_path, settings, one_trip=one_trip) as (url, processor, _):
         status, _ = post(f"{url}/v1/chat/completions", b'{"model": "m"}', secrets | wanted)
     assert status == 200
-    [seen] = [h for h in processor.headers if h.get(":path") == "/v1/chat/completions"]
-    assert seen[":method"] == "POST" and seen["content-length"] == "14"
+    allowed = envoyconf.forwarded_headers(config.from_mapping(settings))
+    if one_trip:  # no headers phase: the headers it reads came as the body's attributes
+        assert not [h for h in processor.headers if h.get(":path") == "/v1/chat/completions"]
+        [attributes] = processor.attributes
+        seen = headers_from_attributes(_struct(attributes), allowed)
+        assert set(attributes) - {REQUEST_TIME} == {header_attribute(n) for n in seen}
+        assert seen[":method"] == "POST" and seen[":path"] == "/v1/chat/completions"
+    else:
+        [seen] = [h for h in processor.headers if h.get(":path") == "/v1/chat/completions"]
+        assert seen[":method"] == "POST" and seen["content-length"] == "14"
     for name, value in wanted.items():
         assert seen[name] == value, name
     assert not set(secrets) & set(seen), seen
     assert not [v for v in seen.values() if "secret" in v]
     # the tenant header is forwarded when it is the tenant's source (a client's own copy is
     # removed before any filter runs: tests/test_tenant.py)
-    allowed = envoyconf.forwarded_headers(config.from_mapping({"tenant": {"source": "header"}}))
     assert "x-tenant-id" in allowed and set(seen) <= set(allowed)
     # forward_rules filter what the processor is sent, not what the backend gets
     [upstream] = Backend.seen

@@ -1,3 +1,5 @@
+import asyncio
+
 import pytest
 
 from extproc.config import Pool
@@ -62,3 +64,73 @@ def test_the_charge_is_max_tokens_times_choices_and_zero_for_embeddings() -> Non
     assert cost_of(Ask("latency", 10, None), pool, learning).output_tokens == 300
     embedding = cost_of(Ask("throughput", 10, None, prefill_only=True), pool, learning)
     assert (embedding.output_tokens, embedding.typical, embedding.promised) == (0, 0.0, 0.0)
+
+
+def test_requests_deciding_together_are_counted_in_one_batch(llama3_tokenizer: str) -> None:
+    """Batches: the texts of requests waiting at once go to the tokenizer together (a text
+    twice is looked up once); each request gets its own exact count, the same as counted alone,
+    and a text the tokenizer refuses fails its own request only."""
+    from extproc.errors import RequestError
+    from extproc.pricing import Batches
+
+    counter = TokenizerCounter(llama3_tokenizer)
+    alone = TokenizerCounter(llama3_tokenizer)
+    shared = "a system prompt every request of the conversation resends, long enough to cache"
+    texts = [[shared, f"question {i}: how many tokens are in this message?"] for i in range(5)]
+    calls: list[int] = []
+    real = counter.counts
+
+    def counting(batch: list[str]) -> list[int]:
+        calls.append(len(batch))
+        return real(batch)
+
+    counter.counts = counting  # type: ignore[method-assign]
+
+    async def main() -> list[int | BaseException]:
+        batches = Batches()
+        jobs = [batches.count(counter, t) for t in texts]
+        jobs.append(batches.count(counter, ["\ud800 not encodable"]))
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    *counts, refused = asyncio.run(main())
+    assert counts == [alone.count(t) for t in texts]
+    assert isinstance(refused, RequestError)
+    # the first request went at once; the other five waited together: 4 x 2 texts + 1
+    assert calls[:2] == [2, 9]
+    assert counter.cache_size == alone.cache_size
+
+
+def test_a_decision_alone_counts_on_the_loop_others_share_the_batch_thread(
+        llama3_tokenizer: str) -> None:
+    """pricing.OFFLOAD_WHEN_DECIDING: with no other decision under way the trip to the thread
+    buys nothing, so the count is taken where the decision runs; with others deciding, it
+    goes to the batch thread. The count is the same either way."""
+    from extproc import config
+    from extproc.metrics import Metrics
+    from extproc.pricing import Pricing
+
+    cfg = config.from_mapping({"pools": [{"name": "llama", "models": ["*"],
+                                          "tokenizer": llama3_tokenizer}]})
+    pool = cfg.pools[0]
+    text = "a new message, never counted before, of a few dozen tokens at the most " * 3
+    thread_calls: list[int] = []
+
+    async def price(deciding: int, suffix: str) -> int:
+        pricing = Pricing(cfg, Metrics())
+        real = pricing.batches.count
+
+        async def counting(counter: object, texts: list[str]) -> int:
+            thread_calls.append(len(texts))
+            return await real(counter, texts)  # type: ignore[arg-type]
+
+        pricing.batches.count = counting  # type: ignore[method-assign]
+        pricing.deciding = deciding
+        request = InferenceRequest(model="m", texts=(text + suffix,), messages=1)
+        ask, uncounted = await pricing.ask(request, pool, "latency", None, lambda a, b: True)
+        assert uncounted is None
+        return ask.prompt_tokens
+
+    alone = asyncio.run(price(1, "a"))
+    assert thread_calls == []
+    together = asyncio.run(price(3, "a"))
+    assert thread_calls == [1] and together == alone

@@ -171,3 +171,62 @@ async def test_health_serves_then_turns_not_serving_on_drain(service: Service) -
         await s.close()
         await late.close()
         await asyncio.wait_for(drain, 5)
+
+
+def one_trip(doc: Any, path: str = "/v1/chat/completions", began_s_ago: float = 0.0,
+             **extra: str) -> pb.ProcessingRequest:
+    """A body as Envoy's one-trip route sends it: no headers phase, the headers we read as
+    attributes (extproc.envoyconf._attributes), and the request's start."""
+    import datetime as dt
+
+    from extproc.request import ATTRIBUTES_KEY, REQUEST_TIME, header_attribute
+
+    message = body(doc)
+    began = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=began_s_ago)
+    values = {":path": path, ":method": "POST", "content-type": "application/json", **extra}
+    message.attributes[ATTRIBUTES_KEY].update(
+        {REQUEST_TIME: began.isoformat(), **{header_attribute(k): v for k, v in values.items()}})
+    return message
+
+
+async def test_one_trip_body_is_decided_from_its_attributes(
+        service: Service, stub: pb_grpc.ExternalProcessorStub) -> None:
+    """The same decisions as two trips: admitted (the entry held until the stream ends), a
+    malformed body 400, a client deadline header read from the attributes."""
+    s = Stream(stub)
+    resp = await s.send(one_trip(chat(100)))
+    assert resp.HasField("request_body") and not resp.HasField("immediate_response")
+    assert (await service.gate.ledger.snapshot("llama")).inflight == 1
+    await s.close()
+    assert (await service.gate.ledger.snapshot("llama")).inflight == 0
+    resp = await Stream(stub).send(one_trip(b"{not json"))
+    assert json.loads(resp.immediate_response.body)["error"]["code"] == "invalid_json"
+    resp = await Stream(stub).send(one_trip(chat(100), **{"x-admission-deadline-ms": "-1"}))
+    assert resp.immediate_response.status.code == 400
+    assert await metric(service, "extproc_admission_decisions_total", outcome="admit") == 1
+
+
+async def test_one_trip_checks_what_the_headers_would_have(
+        stub: pb_grpc.ExternalProcessorStub) -> None:
+    """Envoy's route sends only clean headers one trip; were it to send others, the body's
+    check refuses them as the headers phase does (415), and an unmanaged path passes."""
+    resp = await Stream(stub).send(one_trip(chat(100), **{"content-type": "text/plain"}))
+    assert resp.immediate_response.status.code == 415
+    resp = await Stream(stub).send(one_trip(chat(100), **{"content-encoding": "br"}))
+    assert resp.immediate_response.status.code == 415
+    resp = await Stream(stub).send(one_trip(chat(100), path="/v1/models"))
+    assert resp.HasField("request_body") and not resp.HasField("immediate_response")
+
+
+async def test_one_trip_wait_counts_from_the_request_start() -> None:
+    """Shedding in one trip: the wait is from Envoy's request.time to the body reaching us;
+    a backlog of slow ones sheds the next body unparsed (429 processor_overloaded)."""
+    async with serving(settings(shed_wait_ms=100)) as (svc, stub):
+        for _ in range(svc.processor.backlog.SIZE):
+            svc.processor.backlog.add(0.0)
+        for _ in range(svc.processor.backlog.SIZE // 2 + 1):
+            await Stream(stub).send(one_trip(b"{not json", began_s_ago=0.5))
+        assert svc.processor.backlog.behind
+        resp = await Stream(stub).send(one_trip(chat(100)))
+        assert resp.immediate_response.status.code == 429
+        assert immediate_headers(resp)["x-admission-reason"] == "processor_overloaded"
