@@ -310,27 +310,6 @@ _SERVE_COUNTING_ON_THE_LOOP = ("import sys, extproc.pricing as p; p.OFFLOAD_WHEN
 _ORDER = {v.key: i for i, v in enumerate(VARIANTS)}
 
 
-def free_port_run(n: int) -> int:
-    """A port ``p`` with ``p .. p + n - 1`` all free (``--workers`` uses consecutive ports)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        sockets: list[socket.socket] = []
-        try:
-            for i in range(n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports found")
-
-
 def wait_tcp(port: int, proc: Process, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -384,8 +363,7 @@ class Bench:
         self.variants = variants
         self.workers = workers
         self.prefix = f"bench-{uuid.uuid4().hex[:8]}"
-        self._taken: set[int] = set()
-        self.backend_port = self._ports(1)
+        self.backend_port = free_port()
         self.backend: Process | None = None
         self.redis: Any = None
         self.gateways: dict[str, Gateway] = {}
@@ -401,16 +379,6 @@ class Bench:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def _ports(self, n: int) -> int:
-        """``n`` consecutive free ports, none handed out before in this run (the processes
-        start together, so a port chosen for one is not yet bound when the next is chosen)."""
-        while True:
-            base = free_port_run(n)
-            wanted = set(range(base, base + n))
-            if not wanted & self._taken:
-                self._taken |= wanted
-                return base
 
     def _spawn(self, name: str, argv: Sequence[str]) -> Process:
         proc = Process(name, argv, self.workdir)
@@ -458,8 +426,8 @@ class Bench:
     def _start_processor(self, variant: Variant) -> Gateway:
         py = sys.executable
         n = self.workers if variant.key == "workers" else 1
-        grpc_port, metrics_port = self._ports(n), self._ports(n)
-        gw = Gateway(variant, self._ports(1), self._ports(1), grpc_port, n)
+        grpc_port, metrics_port = free_port(n), free_port(n)
+        gw = Gateway(variant, free_port(), free_port(), grpc_port, n)
         path = self.workdir / f"extproc-{variant.key}.yaml"
         settings = self.settings(variant.processor, grpc_port, metrics_port)
         if "ledger" in settings:  # each configuration's entries under keys of its own
