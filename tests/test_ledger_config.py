@@ -7,7 +7,7 @@ import pytest
 from extproc import config
 from extproc.config import OnUnavailable
 from extproc.errors import ConfigError
-from extproc.ledger.redis import describe, password
+from extproc.ledger.connect import describe, password
 
 
 def ledger(**section: object) -> config.LedgerConfig:
