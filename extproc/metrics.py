@@ -94,9 +94,10 @@ class Metrics:
             " decided on its estimate's high end: the exact count was too slow), too_late (the"
             " stream ended before we answered: Envoy's message timeout, which forwards the"
             " request unchecked when fail-open, or a client gone), priority_header (the"
-            " priority header named no priority: the next source decided).", ["kind"],
-            registry=self.registry)
-        for kind in ("count_wait", "too_late", "priority_header"):
+            " priority header named no priority: the next source decided), no_headers (a body"
+            " came without its headers or the attributes that carry them: passed undecided).",
+            ["kind"], registry=self.registry)
+        for kind in ("count_wait", "too_late", "priority_header", "no_headers"):
             self.fallthroughs.labels(kind)
         self.prompt_counts = Counter(
             "extproc_prompt_token_counts",

@@ -159,6 +159,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.backlog = Backlog(self.config.shed_wait_ms / 1000.0)
         self.tenants = Tenants(gate.config.tenant)
         self.header_names = forwarded_headers(self.config)  # what one trip's attributes hold
+        self._warned_no_headers = False
 
     async def Process(
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -229,6 +230,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """One trip: the headers the body's attributes carry, and how long the request
         waited since it began (``request.time``; the processor's queue, module docstring)."""
         if ATTRIBUTES_KEY not in message.attributes:
+            # Neither headers nor the attributes that carry them: an Envoy configuration
+            # that skips the headers phase without sending them (not one envoy-config
+            # renders). Nothing says what the request is, so it passes undecided: counted,
+            # and said once.
+            self.gate.metrics.fallthroughs.labels("no_headers").inc()
+            if not self._warned_no_headers:
+                self._warned_no_headers = True
+                log.warning("a request body came without its headers or the attributes that"
+                            " carry them: passed without a decision (is Envoy's configuration"
+                            " rendered by `extproc envoy-config`?)")
             return {}, 0.0
         attributes = message.attributes[ATTRIBUTES_KEY]
         headers = headers_from_attributes(attributes, self.header_names)

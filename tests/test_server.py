@@ -218,6 +218,16 @@ async def test_one_trip_checks_what_the_headers_would_have(
     assert resp.HasField("request_body") and not resp.HasField("immediate_response")
 
 
+async def test_a_body_without_headers_or_attributes_is_counted_and_passes(
+        service: Service, stub: pb_grpc.ExternalProcessorStub) -> None:
+    """An Envoy configuration that skips the headers phase and sends no attributes leaves
+    nothing to decide on: the body passes, and the fallthrough says so."""
+    resp = await Stream(stub).send(body(chat(100)))
+    assert resp.HasField("request_body") and not resp.HasField("immediate_response")
+    assert await metric(service, "extproc_decision_fallthroughs_total", kind="no_headers") == 1
+    assert (await service.gate.ledger.snapshot("llama")).inflight == 0
+
+
 async def test_one_trip_wait_counts_from_the_request_start() -> None:
     """Shedding in one trip: the wait is from Envoy's request.time to the body reaching us;
     a backlog of slow ones sheds the next body unparsed (429 processor_overloaded)."""
