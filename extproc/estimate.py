@@ -8,9 +8,12 @@
 pool's learned lengths, ``extproc.lengths``.)
 
 Token counters are small strategies. ``TokenizerCounter`` counts exactly with the model's
-``tokenizer.json`` (HF ``tokenizers``; ``encode_batch_fast`` releases the GIL, so the caller
-may run it on a thread). ``ByteCounter`` divides UTF-8 bytes by a bytes-per-token ratio: the
-fallback when no tokenizer is configured, and the estimate for prompts too long to count
+``tokenizer.json`` (HF ``tokenizers``): for the byte-level BPE family a piece at a time with
+the tokenizer's own regex and model (``extproc.pieces``: a quarter of the CPU, on the calling
+thread), otherwise with the tokenizer's ``encode_batch_fast``, which releases the GIL, so the
+caller may run it on a thread (``native``: always the tokenizer's call). ``ByteCounter``
+divides UTF-8 bytes by a bytes-per-token ratio: the fallback when no tokenizer is configured,
+and the estimate for prompts too long to count
 exactly within Envoy's message timeout (``exact_max_bytes``: 8 MiB of text takes ~5 s to
 tokenize on one core, while any real context window ends near 512 KiB).
 
@@ -40,6 +43,7 @@ from typing import Protocol
 
 from extproc.config import Pool
 from extproc.errors import BadRequest
+from extproc.pieces import PieceCounter
 from extproc.request import InferenceRequest
 
 EXACT_MAX_BYTES = 512 * 1024
@@ -49,14 +53,16 @@ CACHE_MIN_CHARS = 64  # shorter texts are counted again rather than looked up
 
 class TokenCounter(Protocol):
     exact: bool
+    pieces: bool  # counts a piece at a time on the calling thread (extproc.pieces)
 
-    def count(self, texts: Sequence[str]) -> int: ...
+    def count(self, texts: Sequence[str], *, native: bool = False) -> int: ...
 
     def cached(self, texts: Sequence[str]) -> tuple[int, list[str]]: ...
 
 
 class ByteCounter:
     exact = False
+    pieces = False
 
     def __init__(self, bytes_per_token: float) -> None:
         self.bytes_per_token = bytes_per_token
@@ -64,7 +70,7 @@ class ByteCounter:
     def cached(self, texts: Sequence[str]) -> tuple[int, list[str]]:
         return 0, list(texts)  # counting is as cheap as looking up
 
-    def count(self, texts: Sequence[str]) -> int:
+    def count(self, texts: Sequence[str], *, native: bool = False) -> int:
         size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
         return math.ceil(size / self.bytes_per_token)
 
@@ -77,10 +83,12 @@ class TokenizerCounter:
 
     def __init__(self, path: str, *, bytes_per_token: float = 4.0,
                  exact_max_bytes: int = EXACT_MAX_BYTES,
-                 cache_entries: int = CACHE_ENTRIES) -> None:
+                 cache_entries: int = CACHE_ENTRIES, pieces: bool = True) -> None:
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_file(path)
+        self._pieces = PieceCounter.of(self._tokenizer) if pieces else None
+        self.pieces = self._pieces is not None
         self._fallback = ByteCounter(bytes_per_token)
         self.exact_max_bytes = exact_max_bytes
         self.cache_entries = cache_entries
@@ -119,18 +127,22 @@ class TokenizerCounter:
                     known += hit
         return known, missing
 
-    def count(self, texts: Sequence[str]) -> int:
+    def count(self, texts: Sequence[str], *, native: bool = False) -> int:
+        """The texts' tokens together (estimated by bytes past ``exact_max_bytes``);
+        ``native``: counted by the tokenizer's own call, which releases the GIL (for a
+        thread beside the event loop), never a piece at a time."""
         known, missing = self.cached(texts)
         if not missing:
             return known
         if sum(len(t) for t in missing) > self.exact_max_bytes:
             return known + self._fallback.count(missing)
-        return known + sum(self.counts(missing))
+        return known + sum(self.counts(missing, native=native))
 
-    def counts(self, texts: Sequence[str]) -> list[int]:
-        """Each text's exact count, in one call of the tokenizer (which releases the GIL) for
-        the texts not cached; every text is counted whatever its length (``count`` applies
-        ``exact_max_bytes`` to a request's texts together)."""
+    def counts(self, texts: Sequence[str], *, native: bool = False) -> list[int]:
+        """Each text's exact count: a piece at a time where ``extproc.pieces`` can (unless
+        ``native``), the rest in one call of the tokenizer (which releases the GIL); texts
+        counted before are looked up. Every text is counted whatever its length (``count``
+        applies ``exact_max_bytes`` to a request's texts together)."""
         out: list[int | None] = []
         todo: dict[tuple[int, int], list[int]] = {}  # a text twice in a batch: counted once
         order: list[str] = []
@@ -142,6 +154,8 @@ class TokenizerCounter:
                     if key not in todo:
                         order.append(text)
                     todo.setdefault(key, []).append(i)
+        if order and self._pieces is not None and not native:
+            order = self._by_pieces(order, todo, out)
         if order:
             try:
                 encodings = self._tokenizer.encode_batch_fast(order, add_special_tokens=False)
@@ -155,6 +169,25 @@ class TokenizerCounter:
                     for i in todo[key]:
                         out[i] = n
         return [n or 0 for n in out]
+
+    def _by_pieces(self, order: list[str], todo: dict[tuple[int, int], list[int]],
+                   out: list[int | None]) -> list[str]:
+        """Count ``order``'s texts a piece at a time into ``out``; the texts left for the
+        tokenizer (a guarded character: ``extproc.pieces``)."""
+        assert self._pieces is not None
+        left = []
+        for text in order:
+            n = self._pieces.count(text)
+            if n is None:
+                left.append(text)
+                continue
+            key = (len(text), hash(text))
+            with self._lock:
+                if len(text) >= CACHE_MIN_CHARS:
+                    self._remember(key, n)
+            for i in todo[key]:
+                out[i] = n
+        return left
 
 
 class Calibration:

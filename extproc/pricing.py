@@ -1,16 +1,17 @@
 """Pricing a request: its prompt counted, or estimated and counted exactly afterwards.
 
 Texts counted before cost a lookup (``TokenizerCounter``'s cache: a chat turn pays only for its
-new message). New text up to ``ESTIMATE_CHARS`` is counted exactly before the decision. While
-other decisions are under way in the process (``OFFLOAD_WHEN_DECIDING``), off the event loop
-(``Batches``): the texts of every request deciding at that moment go to the tokenizer
-together, in one ``encode_batch_fast`` call on a thread of their own, which releases the GIL,
-so the loop goes on parsing, deciding and answering other streams meanwhile (a 200-token
-message takes ~0.35 ms of a core to count: a quarter of a decision's CPU when it ran on the
-loop). One thread, so a batch waits at most for the one before it; a text twice in a batch is
-counted once, and a text counted before is a cache hit. A decision alone in the process
-counts on the loop: no other stream waits for the loop, and the trip to the thread would add
-two thread wake-ups to its latency. Longer new text (a long
+new message). New text up to ``ESTIMATE_CHARS`` is counted exactly before the decision. A
+byte-level BPE tokenizer counts it a piece at a time on the event loop (``extproc.pieces``:
+~0.3 µs a token, and the loop keeps the GIL). Any other tokenizer counts with its own call,
+~1 µs a token: while other decisions are under way in the process (``OFFLOAD_WHEN_DECIDING``),
+off the event loop (``Batches``): the texts of every request deciding at that moment go to the
+tokenizer together, in one ``encode_batch_fast`` call on a thread of their own, which releases
+the GIL, so the loop goes on parsing, deciding and answering other streams meanwhile. One
+thread, so a batch waits at most for the one before it; a text twice in a batch is counted
+once, and a text counted before is a cache hit. A decision alone in the process counts on the
+loop: no other stream waits for the loop, and the trip to the thread would add two thread
+wake-ups to its latency. Longer new text (a long
 prompt never seen: 8,000 tokens take ~20 ms to count) is priced by the pool's ``Calibration``
 instead, and the decision is taken at once when it comes out the same at the estimate's low
 and high ends (``margin``) on the local view of the ledger (the gate says whether it does:
@@ -132,7 +133,7 @@ def _count_batch(batch: Sequence[tuple[TokenCounter, Sequence[str]]]) -> list[in
         if isinstance(counter, TokenizerCounter) and len(members) > 1:
             texts = [t for i in members for t in batch[i][1]]
             try:
-                counts = iter(counter.counts(texts))
+                counts = iter(counter.counts(texts, native=True))
             except RequestError:
                 pass
             else:
@@ -141,7 +142,7 @@ def _count_batch(batch: Sequence[tuple[TokenCounter, Sequence[str]]]) -> list[in
                 continue
         for i in members:
             try:
-                out[i] = counter.count(batch[i][1])
+                out[i] = counter.count(batch[i][1], native=True)
             except RequestError as exc:
                 out[i] = exc
     return out
@@ -180,10 +181,11 @@ class Pricing:
         if not missing or not counter.exact or chars <= ESTIMATE_CHARS:
             how = "counted" if missing else "cached"
             self.metrics.prompt_counts.labels(pool.name, how).inc()
-            if missing and counter.exact and self.deciding >= OFFLOAD_WHEN_DECIDING:
+            if (missing and counter.exact and not counter.pieces
+                    and self.deciding >= OFFLOAD_WHEN_DECIDING):
                 # off the loop, with the texts of the other requests deciding now
                 text = known + await self.batches.count(counter, missing)
-            else:  # alone, nothing new, or a byte count: the trip to the thread buys nothing
+            else:  # a piece at a time, alone, nothing new, or a byte count: here (docstring)
                 text = known + counter.count(missing)
             return self._priced_at(request, pool, cls, deadline, text), None
         calibration = self.calibrations[pool.name]
@@ -197,7 +199,7 @@ class Pricing:
             return estimated, Uncounted(missing, chars, known)
         self.metrics.prompt_counts.labels(pool.name, "awaited").inc()
         counting = asyncio.get_running_loop().run_in_executor(
-            self.counting, counter.count, missing)
+            self.counting, functools.partial(counter.count, missing, native=True))
         try:
             tokens = await asyncio.wait_for(asyncio.shield(counting), COUNT_WAIT_S)
         except TimeoutError:
@@ -223,7 +225,8 @@ class Pricing:
         back the place ``claim`` took."""
         try:
             tokens = await (uncounted.counting or asyncio.get_running_loop().run_in_executor(
-                self.counting, self.counters[pool].count, uncounted.texts))
+                self.counting, functools.partial(self.counters[pool].count, uncounted.texts,
+                                                 native=True)))
         except RequestError:
             return None
         finally:

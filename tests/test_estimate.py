@@ -69,20 +69,21 @@ def test_the_charge_is_max_tokens_times_choices_and_zero_for_embeddings() -> Non
 def test_requests_deciding_together_are_counted_in_one_batch(llama3_tokenizer: str) -> None:
     """Batches: the texts of requests waiting at once go to the tokenizer together (a text
     twice is looked up once); each request gets its own exact count, the same as counted alone,
-    and a text the tokenizer refuses fails its own request only."""
+    and a text the tokenizer refuses fails its own request only. (The batch thread is for a
+    tokenizer counted by its own call: ``pieces=False`` stands for one.)"""
     from extproc.errors import RequestError
     from extproc.pricing import Batches
 
-    counter = TokenizerCounter(llama3_tokenizer)
+    counter = TokenizerCounter(llama3_tokenizer, pieces=False)
     alone = TokenizerCounter(llama3_tokenizer)
     shared = "a system prompt every request of the conversation resends, long enough to cache"
     texts = [[shared, f"question {i}: how many tokens are in this message?"] for i in range(5)]
     calls: list[int] = []
     real = counter.counts
 
-    def counting(batch: list[str]) -> list[int]:
+    def counting(batch: list[str], *, native: bool = False) -> list[int]:
         calls.append(len(batch))
-        return real(batch)
+        return real(batch, native=native)
 
     counter.counts = counting  # type: ignore[method-assign]
 
@@ -104,7 +105,8 @@ def test_a_decision_alone_counts_on_the_loop_others_share_the_batch_thread(
         llama3_tokenizer: str) -> None:
     """pricing.OFFLOAD_WHEN_DECIDING: with no other decision under way the trip to the thread
     buys nothing, so the count is taken where the decision runs; with others deciding, it
-    goes to the batch thread. The count is the same either way."""
+    goes to the batch thread. The count is the same either way. A tokenizer counted a piece at
+    a time (extproc.pieces: Llama 3's) always counts where the decision runs."""
     from extproc import config
     from extproc.metrics import Metrics
     from extproc.pricing import Pricing
@@ -115,8 +117,10 @@ def test_a_decision_alone_counts_on_the_loop_others_share_the_batch_thread(
     text = "a new message, never counted before, of a few dozen tokens at the most " * 3
     thread_calls: list[int] = []
 
-    async def price(deciding: int, suffix: str) -> int:
-        pricing = Pricing(cfg, Metrics())
+    async def price(deciding: int, suffix: str, pieces: bool = False) -> int:
+        counter = TokenizerCounter(llama3_tokenizer, pieces=pieces)
+        assert counter.pieces is pieces
+        pricing = Pricing(cfg, Metrics(), {"llama": counter})
         real = pricing.batches.count
 
         async def counting(counter: object, texts: list[str]) -> int:
@@ -134,3 +138,4 @@ def test_a_decision_alone_counts_on_the_loop_others_share_the_batch_thread(
     assert thread_calls == []
     together = asyncio.run(price(3, "a"))
     assert thread_calls == [1] and together == alone
+    assert asyncio.run(price(3, "a", pieces=True)) == alone and thread_calls == [1]
