@@ -15,8 +15,9 @@ One run, one machine, one load generator, every configuration measured in turns:
                    skipped (and said so) while ``serve`` has no ``--workers`` flag
     (b2) noop-alt  (b) in the other processing mode (two trips: headers, then body)
     (d2) redis-alt (d) in the other processing mode; (b2) and (d2) are the modes' comparison
-    (d3) redis-inline (d) with every prompt counted on the event loop, as before the batch
-                   thread (``extproc.pricing.OFFLOAD_WHEN_DECIDING`` set out of reach)
+    (d3) redis-native (d) with prompts counted by the tokenizer's own call, as before counting
+                   a piece at a time (``extproc.pieces``; ``PieceCounter.of`` answers None, so
+                   the batch thread counts while other decisions are under way)
 
 Envoy is rendered by ``extproc.envoyconf`` for all five (for (a) without the filter), so (b)..(e)
 differ only in the process that answers the ext_proc stream. The fake backend answers at once
@@ -95,7 +96,7 @@ Usage::
 
     python benchmarks/bench.py [--out FILE] [--workers N] [--quick] [--shapes short,chat,long]
                                [--configs envoy,noop,redis,workers,noop-alt,redis-alt,
-                                          redis-inline]
+                                          redis-native]
                                [--profile SECONDS] [--no-ledger-scale]
 
 Writes JSON (default ``benchmarks/results/bench.json``; the folder is not versioned), keeps the
@@ -278,7 +279,7 @@ _TRIPS = {True: "1 trip", False: "2 trips"}
 
 @dataclass(frozen=True)
 class Variant:
-    key: str  # envoy, noop, memory, redis, workers, noop-alt, redis-alt, redis-inline
+    key: str  # envoy, noop, memory, redis, workers, noop-alt, redis-alt, redis-native
     letter: str
     label: str
     one_trip: bool = DEFAULT_ONE_TRIP  # Envoy's processing modes (envoyconf.Topology)
@@ -299,14 +300,15 @@ VARIANTS = (
             one_trip=not DEFAULT_ONE_TRIP, processor="noop"),
     Variant("redis-alt", "d2", f"+ extproc serve, Redis, {_TRIPS[not DEFAULT_ONE_TRIP]}",
             one_trip=not DEFAULT_ONE_TRIP, processor="redis"),
-    # (d) counting every prompt on the event loop, as before the batch thread (issue 19)
-    Variant("redis-inline", "d3", "(d), prompts counted on the loop", processor="redis"),
+    # (d) counting with the tokenizer's own call, as before counting a piece at a time
+    Variant("redis-native", "d3", "(d), counted by the tokenizer's call", processor="redis"),
 )
 DEFAULT_CONFIGS = ("envoy", "noop", "redis", "workers", "noop-alt", "redis-alt",
-                   "redis-inline")
-# `extproc serve` with pricing.OFFLOAD_WHEN_DECIDING out of reach: every count on the loop
-_SERVE_COUNTING_ON_THE_LOOP = ("import sys, extproc.pricing as p; p.OFFLOAD_WHEN_DECIDING ="
-                               " sys.maxsize; from extproc.cli import main; sys.exit(main())")
+                   "redis-native")
+# `extproc serve` counting with the tokenizer's own call (no counter a piece at a time)
+_SERVE_COUNTING_NATIVELY = ("import sys, extproc.pieces as p; p.PieceCounter.of ="
+                            " staticmethod(lambda tokenizer: None);"
+                            " from extproc.cli import main; sys.exit(main())")
 _ORDER = {v.key: i for i, v in enumerate(VARIANTS)}
 
 
@@ -440,7 +442,7 @@ class Bench:
                 "--listen", f"127.0.0.1:{grpc_port}",
                 "--max-body-bytes", str(gw.config.max_body_bytes)])
         elif variant.processor:
-            how = (["-c", _SERVE_COUNTING_ON_THE_LOOP] if variant.key == "redis-inline"
+            how = (["-c", _SERVE_COUNTING_NATIVELY] if variant.key == "redis-native"
                    else ["-m", "extproc"])
             argv = [py, *how, "--log-level", "WARNING", "serve", "--config", str(path)]
             if variant.key == "workers":
