@@ -200,10 +200,12 @@ class RedisLedger:
         try:
             while self._releases:
                 queued, self._releases = self._releases, {}
-                await asyncio.gather(*(
-                    self._release_batch(pool, waiting[i:i + BATCH])
-                    for pool, waiting in queued.items()
-                    for i in range(0, len(waiting), BATCH)))
+                batches = [(pool, waiting[i:i + BATCH]) for pool, waiting in queued.items()
+                           for i in range(0, len(waiting), BATCH)]
+                if len(batches) == 1:  # the usual case: no task to gather
+                    await self._release_batch(*batches[0])
+                else:
+                    await asyncio.gather(*(self._release_batch(*b) for b in batches))
         finally:
             self._flushing = None
             left, self._releases = self._releases, {}  # only when cancelled (closing)
