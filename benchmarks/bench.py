@@ -18,6 +18,9 @@ One run, one machine, one load generator, every configuration measured in turns:
     (d3) redis-native (d) with prompts counted by the tokenizer's own call, as before counting
                    a piece at a time (``extproc.pieces``; ``PieceCounter.of`` answers None, so
                    the batch thread counts while other decisions are under way)
+    (s) stub       ``extproc serve`` whose ``Gate.check`` admits at once (no parse, count,
+                   decision, ledger, metrics or settle): the stream adapter, gRPC and the event
+                   loop alone: a bound on what any decision can reach
 
 Envoy is rendered by ``extproc.envoyconf`` for all five (for (a) without the filter), so (b)..(e)
 differ only in the process that answers the ext_proc stream. The fake backend answers at once
@@ -95,7 +98,7 @@ each run) is measured and reported, so a noisy run can be told from a slow gatew
 Usage::
 
     python benchmarks/bench.py [--out FILE] [--workers N] [--quick] [--shapes short,chat,long]
-                               [--configs envoy,noop,redis,workers,noop-alt,redis-alt,
+                               [--configs envoy,noop,stub,redis,workers,noop-alt,redis-alt,
                                           redis-native]
                                [--profile SECONDS] [--no-ledger-scale]
 
@@ -302,13 +305,25 @@ VARIANTS = (
             one_trip=not DEFAULT_ONE_TRIP, processor="redis"),
     # (d) counting with the tokenizer's own call, as before counting a piece at a time
     Variant("redis-native", "d3", "(d), counted by the tokenizer's call", processor="redis"),
+    # extproc serve with the decision stubbed out: what the adapter alone costs (a bound)
+    Variant("stub", "s", "+ extproc serve, no decision (Gate.check stubbed)",
+            processor="memory"),
 )
-DEFAULT_CONFIGS = ("envoy", "noop", "redis", "workers", "noop-alt", "redis-alt",
+DEFAULT_CONFIGS = ("envoy", "noop", "stub", "redis", "workers", "noop-alt", "redis-alt",
                    "redis-native")
 # `extproc serve` counting with the tokenizer's own call (no counter a piece at a time)
 _SERVE_COUNTING_NATIVELY = ("import sys, extproc.pieces as p; p.PieceCounter.of ="
                             " staticmethod(lambda tokenizer: None);"
                             " from extproc.cli import main; sys.exit(main())")
+# `extproc serve` whose Gate.check answers "admit" at once: parse, price, decide, ledger,
+# metrics and settle all skipped; the stream adapter, gRPC and the event loop remain
+_SERVE_WITHOUT_A_DECISION = (
+    "import sys, extproc.gate as g; from extproc.verdict import Verdict;"
+    " from extproc.admission import Outcome, Reason;"
+    " v = Verdict(Outcome.ADMIT, Reason.FITS)\n"
+    "async def check(self, *args, **kwargs): return v\n"
+    "g.Gate.check = check; from extproc.cli import main; sys.exit(main())")
+_SNIPPETS = {"redis-native": _SERVE_COUNTING_NATIVELY, "stub": _SERVE_WITHOUT_A_DECISION}
 _ORDER = {v.key: i for i, v in enumerate(VARIANTS)}
 
 
@@ -442,7 +457,7 @@ class Bench:
                 "--listen", f"127.0.0.1:{grpc_port}",
                 "--max-body-bytes", str(gw.config.max_body_bytes)])
         elif variant.processor:
-            how = (["-c", _SERVE_COUNTING_NATIVELY] if variant.key == "redis-native"
+            how = (["-c", _SNIPPETS[variant.key]] if variant.key in _SNIPPETS
                    else ["-m", "extproc"])
             argv = [py, *how, "--log-level", "WARNING", "serve", "--config", str(path)]
             if variant.key == "workers":

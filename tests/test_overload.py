@@ -5,7 +5,8 @@ While bodies wait for the processor longer than ``shed_wait_ms`` it answers 429
 ``processor_overloaded`` unparsed (``extproc.server``); what still waits past Envoy's
 ``message_timeout`` gets Envoy's 504.
 
-The processor is made the bottleneck on purpose: prompts of ~2,000 tokens, each different,
+The processor is made the bottleneck on purpose: prompts of ~6,800 tokens of random Han
+characters (``Ask.han``: no piece of one is in the processor's piece cache), each different,
 counted exactly with the real Llama 3 tokenizer (a few ms each, on the event loop), while the
 fake backend runs 10x faster than the pool's model says. Its saturation is measured first
 with closed-loop clients, so the test scales with the machine it runs on.
@@ -34,7 +35,10 @@ pytestmark = pytest.mark.integration
 DEADLINE_MS = 8_000.0
 SECONDS = 3.0  # of offered load at each level
 HONEST = {"200", "429", "503", "504"}
-ASK = Ask(prompt_tokens=2_000, max_tokens=64, output_tokens=8, deadline_ms=DEADLINE_MS)
+# 4,000 Han characters, ~6,800 Llama 3 tokens: under extproc.pricing.ESTIMATE_CHARS, so every
+# prompt is counted before its decision (~2.5 ms of the processor's CPU)
+ASK = Ask(prompt_tokens=4_000, max_tokens=64, output_tokens=8, deadline_ms=DEADLINE_MS,
+          han=True)
 
 
 async def offer(stack: LocalStack, rate_rps: float) -> Traffic:

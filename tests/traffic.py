@@ -59,6 +59,9 @@ class Reply:
         return str(self.status) if self.answered else str(self.error)
 
 
+HAN_PROMPTS = 256  # x ~670 pieces each: more than extproc.pieces.PIECE_CACHE
+
+
 @dataclass(frozen=True)
 class Ask:
     """The request every client sends: a chat completion of ``prompt_tokens`` words' worth,
@@ -69,14 +72,26 @@ class Ask:
     output_tokens: int = 8
     deadline_ms: float | None = None  # sent as x-admission-deadline-ms
     bearer: str | None = None  # sent as the Authorization header (a JWT, for a tenant)
+    han: bool = False  # the prompts in random Han characters instead (``texts``)
 
     def texts(self, seed: int = 0) -> list[str]:
-        """A few prompts of ``prompt_tokens`` tokens' worth (made once: it takes a while)."""
+        """A few prompts of ``prompt_tokens`` tokens' worth (made once: it takes a while).
+        With ``han``, ``HAN_PROMPTS`` prompts of ``prompt_tokens`` random Han characters, a
+        space after every sixth: ~1.7 Llama 3 tokens a character, in more distinct pieces
+        than the processor's piece cache holds (``extproc.pieces``), so sent in turn every
+        piece costs a call of the tokenizer's model."""
+        if self.han:
+            rng = random.Random(f"{seed}:han")
+            han = [chr(c) for c in range(0x4E00, 0x9FA6)]
+            words = self.prompt_tokens // 6
+            return [" ".join("".join(rng.choices(han, k=6)) for _ in range(words))
+                    for _ in range(HAN_PROMPTS)]
         return [prompt_text(self.prompt_tokens, random.Random(f"{seed}:{i}")) for i in range(8)]
 
     def body(self, i: int, texts: Sequence[str]) -> bytes:
         """Request ``i``: its own number leads the prompt, so no two prompts are the same
-        and a tokenizer's cache never makes a request cheaper than a fresh one."""
+        and a tokenizer's cache of whole texts never makes a request cheaper than a fresh
+        one."""
         return json.dumps({
             "model": "m", "max_tokens": self.max_tokens,
             "extproc_output_tokens": self.output_tokens,
