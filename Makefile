@@ -65,7 +65,7 @@ chaos: setup
 	EXTPROC_CHAOS_OUT=out/chaos $(PY) -m pytest -q -s -m chaos tests/test_chaos.py
 
 # Per-request overhead next to its floors, in one run, with issue 19's targets and py-spy
-# profiles of extproc serve under load (~8 min; benchmarks/bench.py says how, and
+# profiles of extproc serve under load (~9 min; benchmarks/bench.py says how, and
 # docs/performance.md reads the latest run).
 # wrk drives the saturation runs: installed here when missing, as system-packages does.
 # Arguments through BENCH_ARGS, e.g. `make bench BENCH_ARGS="--quick --workers 0"`.

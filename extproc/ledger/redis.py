@@ -49,6 +49,10 @@ Redis and recovers when it appears.
 No key has a TTL, so ``noeviction`` and every ``volatile-*`` policy keep the ledger intact;
 an ``allkeys-*`` policy could evict it under memory pressure (forgetting in-flight work, so
 over-admitting): ``check`` warns loudly when it finds one.
+
+Length: at the house's ~400 lines with one method per script and the fault handling they
+share (``_run``); the connection is already apart (``connect.py``), and the release queue
+(``release``, ``_flush``) is the next to move if it grows.
 """
 
 from __future__ import annotations
