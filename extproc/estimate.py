@@ -9,7 +9,7 @@ pool's learned lengths, ``extproc.lengths``.)
 
 Token counters are small strategies. ``TokenizerCounter`` counts exactly with the model's
 ``tokenizer.json`` (HF ``tokenizers``): for the byte-level BPE family a piece at a time with
-the tokenizer's own regex and model (``extproc.pieces``: a quarter of the CPU, on the calling
+the tokenizer's own regex and model (``extproc.pieces``: about half the CPU, on the calling
 thread), otherwise with the tokenizer's ``encode_batch_fast``, which releases the GIL, so the
 caller may run it on a thread (``native``: always the tokenizer's call). ``ByteCounter``
 divides UTF-8 bytes by a bytes-per-token ratio: the fallback when no tokenizer is configured,

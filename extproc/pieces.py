@@ -10,10 +10,12 @@ steps that never look across a piece boundary, so its count is a sum:
 ``bpe(piece)`` depends on the piece alone, and natural text repeats its pieces (words with their
 leading space, numbers of up to three digits, punctuation runs), so each piece's count is asked
 of the model once and remembered. What is left per text is the split, done here with the
-``regex`` module (``\\p{L}``, ``\\p{N}``, lookaheads), and a dictionary look-up per piece: about
-a quarter of the CPU of the tokenizer's own call for the same count (``benchmarks/counting.py``),
-and the event loop never gives up the GIL mid-decision (the tokenizer's call does, and at a
-moderate rate the loop then waited milliseconds to get it back: docs/performance.md).
+``regex`` module (``\\p{L}``, ``\\p{N}``, lookaheads), and a dictionary look-up per piece:
+0.36-0.58x the CPU of the tokenizer's own call for the same count on prose and code, about the
+same (1.1x) for Chinese and Japanese, whose runs of characters repeat less
+(``benchmarks/counting.py``); and the event loop never gives up the GIL mid-decision (the
+tokenizer's call does, and at a moderate rate the loop then waited to get it back:
+docs/performance.md).
 
 Exact, not estimated: every number comes from the tokenizer's own model, and the split is the
 tokenizer's own regex. Two regex engines can still disagree where their Unicode tables differ
