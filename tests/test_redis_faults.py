@@ -325,10 +325,11 @@ def slots_settings(url: str, **ledger: Any) -> config.Config:
         "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
         "pools": [{"name": "llama", "replicas": 2, "models": ["*"],
                    "engine": {"max_num_seqs": 4, "step_base_ms": 1.1, "ms_per_seq": 0.82}}],
-        # 200 ms: a loaded machine's round trip stays under it (at 50 ms, calls before the
-        # outage timed out beside two CPU-burning processes and decided on a stale view);
-        # the outage is Redis paused, never a slow answer
-        "ledger": {"kind": "redis", "url": url, "timeout_ms": 200, "decision_deadline_ms": 300,
+        # 1 s: a loaded machine's round trip stays under it (at 50 ms, and at 200 ms, calls
+        # before the outage timed out beside two CPU-burning processes, so the gateway
+        # decided on its start-up view); the outage is Redis paused, never a slow answer
+        "ledger": {"kind": "redis", "url": url, "timeout_ms": 1_000,
+                   "decision_deadline_ms": 1_500,
                    "sweep_interval_ms": 50, "liveness_ms": 600,
                    "breaker": {"failures": 3, "cooldown_ms": 100}, **ledger},
     })
