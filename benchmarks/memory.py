@@ -85,7 +85,7 @@ async def run(requests: int, every: int, concurrency: int, log_dir: str,
     gate = Gate(cfg, MemoryLedger(), capacity, metrics, listeners=(control,))
     counter: Any = gate.pricing.counters["llama"]
     if cache_entries:
-        counter.cache_entries = cache_entries
+        counter.cache.entries = cache_entries
     route = cfg.route("/v1/chat/completions")
     assert route is not None
     running: collections.deque[Ticket] = collections.deque()

@@ -20,11 +20,8 @@ tokenize on one core, while any real context window ends near 512 KiB).
 Chat clients resend the whole conversation every turn, so ``TokenizerCounter`` remembers the
 count of every text it has counted (each message's content, each prompt; texts shorter than
 ``CACHE_MIN_CHARS`` are cheaper to count than to look up): a turn pays only for its new
-message. The cache is two generations of at most ``cache_entries / 2`` items each: new counts
-and hits go into the young one; when it is full it becomes the old one and the old one is
-dropped. A text used in the current or the previous generation is remembered (an approximate
-LRU without per-entry bookkeeping; an ``OrderedDict`` LRU under the same churn settled at
-twice the memory, and later). Keys are ``(length, hash)`` of the text, so it holds no prompt
+message. The cache holds ``cache_entries`` counts in two generations
+(``extproc.generations``). Keys are ``(length, hash)`` of the text, so it holds no prompt
 text and its memory is bounded (~180 bytes an entry). Python's
 string hash is keyed per process, so a client cannot aim a collision; a chance collision of
 two 64-bit hashes of equal-length texts would misprice one request, never fail it.
@@ -43,6 +40,7 @@ from typing import Protocol
 
 from extproc.config import Pool
 from extproc.errors import BadRequest
+from extproc.generations import TwoGenerations
 from extproc.pieces import PieceCounter
 from extproc.request import InferenceRequest
 
@@ -91,30 +89,18 @@ class TokenizerCounter:
         self.pieces = self._pieces is not None
         self._fallback = ByteCounter(bytes_per_token)
         self.exact_max_bytes = exact_max_bytes
-        self.cache_entries = cache_entries
-        self._young: dict[tuple[int, int], int] = {}
-        self._old: dict[tuple[int, int], int] = {}
-        self._lock = threading.Lock()
+        self.cache: TwoGenerations[tuple[int, int]] = TwoGenerations(cache_entries)
+        self._lock = threading.Lock()  # held around every use of the cache
 
     @property
     def cache_size(self) -> int:
-        return len(self._young) + len(self._old)
-
-    def _remember(self, key: tuple[int, int], tokens: int) -> None:
-        """Into the young generation; a full one becomes the old one (hold the lock)."""
-        self._young[key] = tokens
-        if len(self._young) >= max(1, self.cache_entries // 2):
-            self._old, self._young = self._young, {}
+        return len(self.cache)
 
     def _lookup(self, text: str) -> int | None:
         """The text's remembered count, if any (hold the lock)."""
         if len(text) < CACHE_MIN_CHARS:
             return None
-        key = (len(text), hash(text))
-        hit = self._young.get(key)
-        if hit is None and (hit := self._old.get(key)) is not None:
-            self._remember(key, hit)  # used again: it lives another generation
-        return hit
+        return self.cache.get((len(text), hash(text)))
 
     def cached(self, texts: Sequence[str]) -> tuple[int, list[str]]:
         """``(tokens of the texts counted before, the texts not counted yet)``."""
@@ -165,7 +151,7 @@ class TokenizerCounter:
                 for text, encoding in zip(order, encodings, strict=True):
                     key, n = (len(text), hash(text)), len(encoding)
                     if len(text) >= CACHE_MIN_CHARS:
-                        self._remember(key, n)
+                        self.cache.put(key, n)
                     for i in todo[key]:
                         out[i] = n
         return [n or 0 for n in out]
@@ -184,7 +170,7 @@ class TokenizerCounter:
             key = (len(text), hash(text))
             with self._lock:
                 if len(text) >= CACHE_MIN_CHARS:
-                    self._remember(key, n)
+                    self.cache.put(key, n)
             for i in todo[key]:
                 out[i] = n
         return left

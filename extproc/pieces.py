@@ -13,9 +13,9 @@ of the model once and remembered. What is left per text is the split, done here 
 ``regex`` module (``\\p{L}``, ``\\p{N}``, lookaheads), and a dictionary look-up per piece:
 0.36-0.58x the CPU of the tokenizer's own call for the same count on prose and code, about the
 same (1.1x) for Chinese and Japanese, whose runs of characters repeat less
-(``benchmarks/counting.py``); and the event loop never gives up the GIL mid-decision (the
-tokenizer's call does, and at a moderate rate the loop then waited to get it back:
-docs/performance.md).
+(``benchmarks/counting.py``). In the whole server it took the decision's p50 at a moderate
+rate from 1.37 to 1.01 ms for short prompts and from 1.65 to 1.43 ms for chat
+(docs/performance.md).
 
 Exact, not estimated: every number comes from the tokenizer's own model, and the split is the
 tokenizer's own regex. Two regex engines can still disagree where their Unicode tables differ
@@ -47,6 +47,8 @@ from typing import Any
 
 import regex
 
+from extproc.generations import TwoGenerations
+
 log = logging.getLogger(__name__)
 
 # ByteLevel's own pattern, when it splits (``use_regex``: GPT-2's)
@@ -57,7 +59,7 @@ GPT2_PATTERN = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\
 ALWAYS_GUARDED = "\\ud800-\\udfff\\U00040000-\\U000DFFFF\\U000E1000-\\U0010FFFF"
 PROBED = ((0, 0xD800), (0xE000, 0x40000), (0xE0000, 0xE1000))  # code point ranges, end open
 _PROBED: dict[bytes, str] = {}  # a pre-tokenizer's state -> the characters its probe guards
-PIECE_CACHE = 100_000  # pieces whose count is remembered (two generations, as estimate's)
+PIECE_CACHE = 100_000  # pieces whose count is remembered (extproc.generations)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -135,7 +137,7 @@ def _unsupported(spec: dict[str, Any]) -> str | None:
     if model.get("type") != "BPE" or model.get("dropout") not in (None, 0, 0.0):
         return "its model is not BPE without dropout"
     pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else [pre]
+    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
     if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):
         return "its pre-tokenizer does not end in ByteLevel without a prefix space"
     for step in steps[:-1]:
@@ -163,9 +165,7 @@ class PieceCounter:
         self.splitter = splitter
         self._bpe = bpe  # a piece in ByteLevel's characters -> its token count
         self.guard = regex.compile(f"[{ALWAYS_GUARDED}{guarded}]")
-        self.cache_entries = cache_entries
-        self._young: dict[str, int] = {}
-        self._old: dict[str, int] = {}
+        self.cache: TwoGenerations[str] = TwoGenerations(cache_entries)
 
     @classmethod
     def of(cls, tokenizer: Any) -> PieceCounter | None:
@@ -181,12 +181,13 @@ class PieceCounter:
 
     def count(self, text: str) -> int | None:
         found, pieces = self.splitter.split(text)
-        young, old = self._young, self._old
+        cache = self.cache
+        young = cache.young  # the usual hit, without a call (extproc.generations)
         total = found
         for piece in pieces:
             n = young.get(piece)
             if n is None:
-                n = old.get(piece)
+                n = cache.get(piece)
                 if n is None:
                     # Every character is in some piece, and only pieces free of guarded ones
                     # are remembered: checking the new ones checks the text.
@@ -194,16 +195,9 @@ class PieceCounter:
                         return None
                     mapped = piece.encode("utf-8").decode("latin-1").translate(_BYTE_LEVEL)
                     n = self._bpe(mapped)
-                self._remember(piece, n)
+                    cache.put(piece, n)
             total += n
         return total
-
-    def _remember(self, piece: str, n: int) -> None:
-        """Into the young generation; a full one becomes the old one (safe without a lock:
-        a count lost to a race is asked of the model again)."""
-        self._young[piece] = n
-        if len(self._young) >= max(1, self.cache_entries // 2):
-            self._old, self._young = self._young, {}
 
 
 def probe(splitter: Splitter, pre_tokenize: Callable[[str], list[tuple[str, tuple[int, int]]]]

@@ -3,7 +3,7 @@
 Texts counted before cost a lookup (``TokenizerCounter``'s cache: a chat turn pays only for its
 new message). New text up to ``ESTIMATE_CHARS`` is counted exactly before the decision. A
 byte-level BPE tokenizer counts it a piece at a time on the event loop (``extproc.pieces``:
-~0.3-0.5 µs a token, and the loop keeps the GIL). Any other tokenizer counts with its own call,
+~0.3-0.5 µs a token). Any other tokenizer counts with its own call,
 ~1 µs a token: while other decisions are under way in the process (``OFFLOAD_WHEN_DECIDING``),
 off the event loop (``Batches``): the texts of every request deciding at that moment go to the
 tokenizer together, in one ``encode_batch_fast`` call on a thread of their own, which releases

@@ -72,7 +72,7 @@ def test_the_cache_is_bounded_keeps_what_is_used_and_holds_no_text(
     spy.count([texts[1]])  # not used for a generation: dropped, tokenized again
     assert spy.tokenized == [len(texts[1])]
     assert spy.cache_size <= 4
-    keys = [*spy._young, *spy._old]
+    keys = list(spy.cache)
     assert all(isinstance(k, tuple) and all(isinstance(x, int) for x in k) for k in keys)
 
 

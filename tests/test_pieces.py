@@ -71,6 +71,7 @@ def test_every_code_point_in_context_counts_as_the_tokenizer_counts_or_is_left_t
 def test_random_unicode_counts_as_the_tokenizer_counts(tokenizer: Tokenizer,
                                                        pieces: PieceCounter, text: str) -> None:
     n = pieces.count(text)
+    assert n is not None or not text.isascii()  # only a guarded character leaves it
     if n is not None:
         assert n == truth(tokenizer, [text])[0]
 
@@ -142,7 +143,7 @@ def test_the_piece_cache_is_bounded(tokenizer: Tokenizer) -> None:
     counter = PieceCounter(splitter, lambda p: len(model.tokenize(p)), cache_entries=100)
     text = " ".join(f"w{i}x" for i in range(1000))
     assert counter.count(text) == truth(tokenizer, [text])[0]
-    assert len(counter._young) + len(counter._old) <= 100
+    assert len(counter.cache) <= 100
 
 
 def test_the_counter_counts_a_piece_at_a_time_and_natively_alike(llama3_tokenizer: str) -> None:
