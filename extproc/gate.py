@@ -62,7 +62,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from extproc import decisionlog
 from extproc.admission import Outcome, Reason, Snapshot
@@ -327,8 +327,9 @@ class Gate:
                     await leases.reconcile()
                 read, attempts = False, 0  # read: call ``snapshot``, reuse none
                 while True:
-                    snapshot, current = await self._snapshot(pool.name, began, read)
-                    leases.saw(pool.name, snapshot)
+                    snapshot, sent_at = await self._snapshot(pool.name, read)
+                    current = sent_at >= began
+                    leases.saw(pool.name, snapshot, sent_at)
                     self.metrics.outstanding.labels(pool.name).set(
                         snapshot.outstanding_ms / 1000.0)
                     self.metrics.groups(pool.name, snapshot, ask.groups, self._labels.label)
@@ -349,11 +350,11 @@ class Gate:
                     ceiling = verdict.admission.ceiling_ms if enforced else None
                     most = verdict.admission.max_inflight if enforced else None
                     caps = verdict.admission.caps if enforced else ()
-                    sent = True
+                    sent, reserved_at = True, time.monotonic()
                     if await leases.call("reserve", self.ledger.reserve(entry, ceiling, most,
                                                                         caps)):
-                        return dataclasses.replace(verdict,
-                                                   ticket=self._ticket(entry, verdict))
+                        return dataclasses.replace(
+                            verdict, ticket=self._ticket(entry, verdict, reserved_at=reserved_at))
                     # Refused: another gateway took the room since our snapshot. Again, on the
                     # pool as the refusal found it (its answer) or a fresh read.
                     if current:
@@ -369,14 +370,16 @@ class Gate:
                 leases.defer_release(request_id, pool.name)
             raise
 
-    async def _snapshot(self, pool: str, began: float, read: bool) -> tuple[Snapshot, bool]:
-        """The snapshot to decide on, and whether it is current (its call was sent after the
-        decision began): the recent one if there is one and ``read`` is off, else a read."""
+    async def _snapshot(self, pool: str, read: bool) -> tuple[Snapshot, float]:
+        """The snapshot to decide on, and when its call was sent (time.monotonic; after the
+        decision began, it is current): the recent one if there is one and ``read`` is off,
+        else a read."""
         recent = None if read else self.leases.recent(pool)
         if recent is None:
-            return await self.leases.call("snapshot", self.ledger.snapshot(pool)), True
+            sent_at = time.monotonic()
+            return await self.leases.call("snapshot", self.ledger.snapshot(pool)), sent_at
         snapshot, age = recent
-        return snapshot, age <= time.monotonic() - began
+        return snapshot, time.monotonic() - age
 
     def _verdict(self, adm: Admission, pool: str) -> Verdict:
         return Verdict(adm.outcome, adm.reason, pool, adm.service_class, adm.decision,
@@ -416,7 +419,8 @@ class Gate:
                      self.config.ledger.liveness_ms, verdict.admission.kv_tokens,
                      verdict.admission.groups)
 
-    def _ticket(self, entry: Entry, verdict: Verdict, *, recorded: bool = True) -> Ticket:
+    def _ticket(self, entry: Entry, verdict: Verdict, *, recorded: bool = True,
+                reserved_at: float | None = None) -> Ticket:
         adm = verdict.admission
         assert adm is not None
         ticket = Ticket(entry.request_id, entry.pool, adm.service_class, entry.lease_ms,
@@ -427,7 +431,7 @@ class Gate:
                         unavoidable=adm.unavoidable,
                         ttft_ms=adm.decision.ttft_ms if adm.decision else 0.0,
                         step_ms=adm.decision.step_ms if adm.decision else 0.0)
-        self.leases.hold(ticket)
+        self.leases.hold(ticket, reserved_at)
         self.learning[entry.pool].admitted(
             adm.service_class, adm.cost.prompt_tokens, batch=adm.policy.batch,
             expected_s=adm.decision.completion_ms / 1000.0 if adm.decision else 0.0,
@@ -458,6 +462,11 @@ class Gate:
         """Renew the entries of every request running here (``Leases.heartbeat``). Raises
         ``LedgerUnavailable``; the next beat retries."""
         await self.leases.heartbeat()
+
+    async def probe(self, check: Awaitable[None]) -> None:
+        """The ledger's health probe (``Leases.probe``): it answered ``check`` and holds what
+        this gateway owes it. Raises ``LedgerUnavailable``."""
+        await self.leases.probe(check)
 
     async def sweep(self) -> int:
         """Retry releases the ledger did not take, then expire entries whose lease ended (the

@@ -14,9 +14,9 @@ The recent snapshot (``recent``): a ledger whose answers carry the pool's snapsh
 keeps the newest; a decision reuses it while it is at most ``FRESH_MS`` old instead of calling
 ``snapshot`` first (``extproc.gate`` says when that decision stands).
 
-The local view (``local``): per pool, the ledger's last snapshot plus this process's own
-admissions and minus its own completions since; the gate decides on it while the ledger is away
-(its fault policy, ``extproc.gate``).
+The local view (``local``): per pool, the ledger's newest snapshot plus this process's own
+admissions and minus its own completions since its call was sent (``_View``); the gate decides
+on it while the ledger is away (its fault policy, ``extproc.gate``).
 
 Renewals and releases never fail a request: a heartbeat that finds an entry gone (its lease
 lapsed during an outage, a failover lost it, it was never recorded) records it again, because
@@ -39,6 +39,7 @@ import contextlib
 import logging
 import math
 import time
+from bisect import bisect_right, insort
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -67,20 +68,61 @@ FRESH_MS = 20.0
 T = TypeVar("T")
 
 
+Totals = tuple[int, float, int]  # in flight, outstanding ms, KV tokens
+NONE: Totals = (0, 0.0, 0)
+
+
+def _plus(a: Totals, b: Totals, sign: int = 1) -> Totals:
+    return (a[0] + sign * b[0], a[1] + sign * b[1], a[2] + sign * b[2])
+
+
+def _when(change: tuple[float, Totals]) -> float:
+    return change[0]
+
+
 @dataclass
 class _View:
-    """One pool's local view: the ledger's last snapshot, plus this process's own admissions
-    and minus its own completions since. The decision's input while the ledger is away."""
+    """One pool's local view: the ledger's newest snapshot (newest by when its call was sent:
+    answers come back out of order), plus this process's own changes that snapshot cannot
+    hold. The decision's input while the ledger is away.
+
+    A change counts from when it reached the ledger's queue: an admission from when its
+    reserve was sent, a completion or a recharge from when it happens (before its call is
+    sent). A snapshot whose call was sent later holds it; one sent earlier does not, and its
+    change is added (``since``, the sum of ``changes``, the own changes after ``sent``).
+    Admissions the ledger has not recorded (``unrecorded``: fail-open, in the outage) are in no
+    snapshot until they are recorded. Resetting to each snapshot and counting from its answer
+    instead lost every admission a concurrent decision made in between (its snapshot, sent
+    before, came back after): with two decisions in flight before Redis paused, a gateway then
+    admitted 4 in the outage on a view that had room for 2; counting from the answer, a
+    snapshot reused from the admission's own reserve counted it twice and admitted 1."""
 
     base: Snapshot = field(default_factory=lambda: Snapshot(inflight=0, outstanding_ms=0.0))
-    inflight: int = 0
-    outstanding_ms: float = 0.0
-    kv_tokens: int = 0
+    sent: float = -math.inf  # when ``base``'s call was sent (time.monotonic)
+    changes: list[tuple[float, Totals]] = field(default_factory=list)  # sorted by time
+    since: Totals = NONE
+    unrecorded: Totals = NONE
+
+    def change(self, delta: Totals, at: float) -> None:
+        if at <= self.sent:  # the base holds it already
+            return
+        insort(self.changes, (at, delta), key=_when)
+        self.since = _plus(self.since, delta)
+
+    def saw(self, snapshot: Snapshot, sent: float) -> None:
+        if sent < self.sent:  # an older call's answer, come back late
+            return
+        self.base, self.sent = snapshot, sent
+        held = bisect_right(self.changes, sent, key=_when)
+        for _, delta in self.changes[:held]:
+            self.since = _plus(self.since, delta, -1)
+        del self.changes[:held]
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(inflight=max(0, self.base.inflight + self.inflight),
-                        outstanding_ms=max(0.0, self.base.outstanding_ms + self.outstanding_ms),
-                        kv_tokens=max(0, self.base.kv_tokens + self.kv_tokens))
+        held, work, kv = _plus(self.since, self.unrecorded)
+        return Snapshot(inflight=max(0, self.base.inflight + held),
+                        outstanding_ms=max(0.0, self.base.outstanding_ms + work),
+                        kv_tokens=max(0, self.base.kv_tokens + kv))
 
 
 class Leases:
@@ -94,6 +136,7 @@ class Leases:
         self._clock = clock
         self._views: dict[str, _View] = {}
         self._recent = ledger.recent if isinstance(ledger, Recent) else None
+        self._newest = ledger.newest if isinstance(ledger, Recent) else None
         self._deferred: dict[str, str] = {}  # request id -> pool: releases to retry
         self._live: dict[str, Ticket] = {}  # request id -> ticket: what the heartbeat renews
         self._unrecorded: set[str] = set()  # live tickets admitted while the ledger was away
@@ -135,12 +178,24 @@ class Leases:
         return found
 
     def local(self, pool: str) -> Snapshot:
-        """The pool's local view (module docstring)."""
-        return self._views.get(pool, _View()).snapshot()
+        """The pool's local view (module docstring), on the newest snapshot the ledger sent
+        with any answer (an admission's own reserve, a release)."""
+        view = self._view(pool)
+        if self._newest is not None and (found := self._newest(pool)) is not None:
+            snapshot, age = found
+            view.saw(snapshot, time.monotonic() - age)
+        return view.snapshot()
 
-    def saw(self, pool: str, snapshot: Snapshot) -> None:
-        """The ledger answered with the pool's snapshot: the local view starts from it."""
-        self._views[pool] = _View(snapshot)
+    def _view(self, pool: str) -> _View:
+        view = self._views.get(pool)
+        if view is None:
+            view = self._views[pool] = _View()
+        return view
+
+    def saw(self, pool: str, snapshot: Snapshot, sent: float) -> None:
+        """The ledger answered with the pool's snapshot, its call sent at ``sent``
+        (time.monotonic): the local view starts from it (``_View``)."""
+        self._view(pool).saw(snapshot, sent)
         if self._down_since is not None:
             log.warning("ledger available again after %.1f s; %d decisions were made without"
                         " it", time.monotonic() - self._down_since, self._down_decisions)
@@ -159,48 +214,53 @@ class Leases:
             log.warning("ledger unavailable: deciding %s until it answers again (%s)",
                         on_unavailable.value, why)
 
-    def hold(self, ticket: Ticket) -> None:
-        """A ticket that runs here from now on: renewed by the heartbeat, in the local view."""
+    def hold(self, ticket: Ticket, reserved_at: float | None = None) -> None:
+        """A ticket that runs here from now on: renewed by the heartbeat, in the local view.
+        ``reserved_at``: when its reserve was sent (time.monotonic), for a recorded one."""
         self._live[ticket.request_id] = ticket
-        if not ticket.recorded:
+        view = self._view(ticket.pool)
+        charge = (1, ticket.cost_ms, ticket.kv_tokens)
+        if ticket.recorded:
+            view.change(charge, time.monotonic() if reserved_at is None else reserved_at)
+        else:
             self._unrecorded.add(ticket.request_id)
-        view = self._views.setdefault(ticket.pool, _View())
-        view.inflight += 1
-        view.outstanding_ms += ticket.cost_ms
-        view.kv_tokens += ticket.kv_tokens
+            view.unrecorded = _plus(view.unrecorded, charge)
         self.metrics.inflight(ticket.pool, +1)
 
     async def recharge(self, ticket: Ticket, cost_ms: float, kv_tokens: int) -> None:
         """Charge a running ticket's entry ``cost_ms`` and ``kv_tokens`` instead. One ledger
         call: if the ledger does not answer, the old charge stays on the entry (the heartbeat
         re-records a lost entry at the new one)."""
-        view = self._views.get(ticket.pool)
-        if view is not None:
-            view.outstanding_ms += cost_ms - ticket.cost_ms
-            view.kv_tokens += kv_tokens - ticket.kv_tokens
+        self._charge(ticket, (0, cost_ms - ticket.cost_ms, kv_tokens - ticket.kv_tokens))
         ticket.cost_ms, ticket.kv_tokens = cost_ms, kv_tokens
         with contextlib.suppress(LedgerUnavailable):
             await self.call("adjust", self.ledger.adjust(ticket.request_id, ticket.pool,
                                                          cost_ms, kv_tokens))
 
     def drop(self, ticket: Ticket) -> None:
-        """The ticket's request ended: the heartbeat stops renewing it."""
+        """The ticket's request ended: the heartbeat stops renewing it, and it leaves the local
+        view now (in the same step as the gate marks it settled, so a record of it finishing
+        meanwhile knows it is gone: ``_recorded``). ``release`` then tells the ledger."""
         self._live.pop(ticket.request_id, None)
         self._unrecorded.discard(ticket.request_id)
+        self.metrics.inflight(ticket.pool, -1)
+        self._charge(ticket, (-1, -ticket.cost_ms, -ticket.kv_tokens))
 
     async def release(self, ticket: Ticket) -> None:
         """Release the ticket's entry; deferred to the next reconcile if the ledger does not
         take it."""
-        self.metrics.inflight(ticket.pool, -1)
-        view = self._views.get(ticket.pool)
-        if view is not None:
-            view.inflight -= 1
-            view.outstanding_ms -= ticket.cost_ms
-            view.kv_tokens -= ticket.kv_tokens
         try:
             await self.call("release", self.ledger.release(ticket.request_id, ticket.pool))
         except LedgerUnavailable:
             self.defer_release(ticket.request_id, ticket.pool)
+
+    def _charge(self, ticket: Ticket, delta: Totals) -> None:
+        """A running ticket's change in the local view, from now."""
+        view = self._view(ticket.pool)
+        if ticket.recorded:
+            view.change(delta, time.monotonic())
+        else:
+            view.unrecorded = _plus(view.unrecorded, delta)
 
     def defer_release(self, request_id: str, pool: str) -> None:
         """Release the entry at the next reconcile (one that may have been recorded)."""
@@ -216,6 +276,7 @@ class Leases:
             pools.setdefault(ticket.pool, []).append(rid)
         lease_ms = self.settings.liveness_ms
         for pool, ids in pools.items():
+            sent = time.monotonic()
             missing = set(await self.call("heartbeat",
                                           self.ledger.heartbeat(pool, ids, lease_ms)))
             lost = []
@@ -224,7 +285,7 @@ class Leases:
                 if live is None:
                     continue
                 if rid not in missing:
-                    self._recorded(live)
+                    self._recorded(live, sent)
                 else:
                     lost.append(live)
             await self._record_all(lost)
@@ -238,14 +299,22 @@ class Leases:
     async def _record(self, ticket: Ticket) -> None:
         """Record a running request's entry again (no ceiling: it runs whatever the ledger
         holds). A release that raced with it is applied again afterwards."""
+        sent = time.monotonic()
         await self.call("reserve", self.ledger.reserve(Entry(
             ticket.request_id, ticket.pool, ticket.cost_ms, self.settings.liveness_ms,
             ticket.kv_tokens, ticket.groups)))
-        self._recorded(ticket)
+        self._recorded(ticket, sent)
         if ticket.settled:  # it ended while we recorded it: its release may have come first
             await self.call("release", self.ledger.release(ticket.request_id, ticket.pool))
 
-    def _recorded(self, ticket: Ticket) -> None:
+    def _recorded(self, ticket: Ticket, sent: float) -> None:
+        """The ledger holds the ticket's entry, from a call sent at ``sent``: in the local
+        view, a fail-open admission moves from ``unrecorded`` to a change at ``sent``."""
+        if not ticket.recorded and not ticket.settled:  # settled: its release took it out
+            charge = (1, ticket.cost_ms, ticket.kv_tokens)
+            view = self._view(ticket.pool)
+            view.unrecorded = _plus(view.unrecorded, charge, -1)
+            view.change(charge, sent)
         ticket.recorded = True
         self._unrecorded.discard(ticket.request_id)
 
@@ -281,6 +350,16 @@ class Leases:
                     raise
             await self._record_all([self._live[rid] for rid in list(self._unrecorded)
                                     if rid in self._live])
+
+    async def probe(self, check: Awaitable[None]) -> None:
+        """The ledger's health probe: ``check`` answered and nothing is owed to the ledger
+        (``reconcile``, run here when something is). ``extproc.ledger`` is SERVING only after
+        both, so a gateway that reports SERVING has its entries in the ledger again (its
+        running requests renewed or recorded, its missed releases applied). Raises
+        ``LedgerUnavailable``."""
+        await self.call("check", check)
+        if self.owed():
+            await self.reconcile()
 
     async def expire(self) -> int:
         """Retry releases the ledger did not take, then expire entries whose lease ended (the

@@ -18,7 +18,8 @@ NOT_SERVING when it drains; Envoy health-checks ``""`` on every processor (``ext
 and stops sending streams to one that fails or drains, and ``/ready`` on the metrics listener
 says the same over HTTP (200 or 503) for probes that cannot reach gRPC. The ledger has
 a service name of its own, ``extproc.ledger``: SERVING while the ledger answers its probe
-(every quarter second), NOT_SERVING while it does not. The processor keeps answering either
+(every quarter second) and holds this gateway's entries (after an outage, the probe reconciles
+first: ``Leases.probe``), NOT_SERVING while it does not. The processor keeps answering either
 way, by the ledger's fault policy, so Envoy never loses its processor to a Redis outage; an
 operator who wants pods out of rotation while Redis is away (fail-closed deployments) probes
 ``extproc.ledger``. Starting without Redis is not an error: the process serves, reports the
@@ -459,12 +460,13 @@ class Service:
                 log.exception("heartbeat failed")
 
     async def probe_ledger(self) -> bool:
-        """Probe the ledger once and report it on ``extproc.ledger`` (and the metric)."""
+        """Probe the ledger once, reconciling what it missed (``Gate.probe``), and report it
+        on ``extproc.ledger`` (and the metric)."""
         ledger = self.gate.ledger
         why = ""
         try:
             if isinstance(ledger, RedisLedger):
-                await ledger.check()
+                await self.gate.probe(ledger.check())
             up = True
         except LedgerUnavailable as exc:
             up, why = False, str(exc)

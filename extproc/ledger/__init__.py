@@ -91,5 +91,9 @@ class Recent(Protocol):
         committed more than that long ago is in it); None when there is none."""
         ...
 
+    def newest(self, pool: str) -> tuple[Snapshot, float] | None:
+        """As ``recent``, but also the snapshot from before the ledger last failed."""
+        ...
+
 
 __all__ = ["Cap", "Entry", "Ledger", "Recent", "Snapshot"]

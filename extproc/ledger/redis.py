@@ -150,6 +150,7 @@ class RedisLedger:
         self._inspected = False
         self.eviction_policy: str | None = None  # as found by ``check``; None if unknown
         self._seen: dict[str, _Seen] = {}  # pool -> its newest snapshot (``recent``)
+        self._failed_at = -math.inf  # when a call last failed (time.monotonic)
         self._releases: dict[str, list[_Waiting]] = {}  # pool -> releases queued (``_flush``)
         self._flushing: asyncio.Task[None] | None = None
 
@@ -280,8 +281,16 @@ class RedisLedger:
 
     def recent(self, pool: str) -> tuple[Snapshot, float] | None:
         """The pool's newest snapshot from any answer (``reserve``, ``release``, ``snapshot``)
-        and its age in seconds: how long ago its call was sent. None when none came since the
-        last failure."""
+        and its age in seconds: how long ago its call was sent. None when none was sent after
+        the last failure."""
+        seen = self._seen.get(pool)
+        if seen is None or seen.sent < self._failed_at:
+            return None
+        return self.newest(pool)
+
+    def newest(self, pool: str) -> tuple[Snapshot, float] | None:
+        """The pool's newest snapshot from any answer, one from before a failure too, and its
+        age in seconds (the local view's base while the ledger is away)."""
         seen = self._seen.get(pool)
         if seen is None:
             return None
@@ -333,7 +342,7 @@ class RedisLedger:
             raise
         except _FAILURES as exc:
             self.breaker.failure()
-            self._seen.clear()  # a view from before a failure is never decided on
+            self._failed_at = time.monotonic()  # a view from before it is never decided on
             _restore_cancellation(exc)
             raise LedgerUnavailable(f"redis {op} failed ({self.where}):"
                                     f" {type(exc).__name__}: {exc}") from exc
