@@ -27,7 +27,11 @@ from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
-DEADLINE_MS = 100.0  # decision_deadline_ms in these tests
+# decision_deadline_ms and timeout_ms in these tests: short, so a fault shows at once, but
+# longer than a loaded machine's stalls (at 100 and 50 ms, a clean-clone CI run beside two
+# CPU-burning processes timed a call out before the fault, and fail-closed refused it)
+DEADLINE_MS = 250.0
+TIMEOUT_MS = 200.0
 ANSWER_SLACK_S = 0.4  # gRPC and a busy 2-core machine (clients share the server's loop)
 
 
@@ -36,7 +40,7 @@ def settings(url: str, policy: str = "fail_open", **ledger: Any) -> config.Confi
         "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
         "pools": [{"name": "llama", "replicas": 1, "engine": {"max_num_seqs": 8}}],
         "classes": {"latency": {"deadline_ms": 30_000, "ttft_ms": 2_000}},
-        "ledger": {"kind": "redis", "url": url, "on_unavailable": policy, "timeout_ms": 50,
+        "ledger": {"kind": "redis", "url": url, "on_unavailable": policy, "timeout_ms": TIMEOUT_MS,
                    "decision_deadline_ms": DEADLINE_MS, "sweep_interval_ms": 50,
                    "breaker": {"failures": 3, "cooldown_ms": 200}, **ledger},
     })
