@@ -69,7 +69,7 @@ T = TypeVar("T")
 
 
 Totals = tuple[int, float, int]  # in flight, outstanding ms, KV tokens
-NONE: Totals = (0, 0.0, 0)
+ZERO: Totals = (0, 0.0, 0)
 
 
 def _plus(a: Totals, b: Totals, sign: int = 1) -> Totals:
@@ -100,8 +100,8 @@ class _View:
     base: Snapshot = field(default_factory=lambda: Snapshot(inflight=0, outstanding_ms=0.0))
     sent: float = -math.inf  # when ``base``'s call was sent (time.monotonic)
     changes: list[tuple[float, Totals]] = field(default_factory=list)  # sorted by time
-    since: Totals = NONE
-    unrecorded: Totals = NONE
+    since: Totals = ZERO
+    unrecorded: Totals = ZERO
 
     def change(self, delta: Totals, at: float) -> None:
         if at <= self.sent:  # the base holds it already
