@@ -70,21 +70,39 @@ T = TypeVar("T")
 
 Totals = tuple[int, float, int]  # in flight, outstanding ms, KV tokens
 ZERO: Totals = (0, 0.0, 0)
+Change = tuple[float, Totals, tuple[str, ...]]  # when, what, the groups it counts in
 
 
-def _plus(a: Totals, b: Totals, sign: int = 1) -> Totals:
-    return (a[0] + sign * b[0], a[1] + sign * b[1], a[2] + sign * b[2])
-
-
-def _when(change: tuple[float, Totals]) -> float:
+def _when(change: Change) -> float:
     return change[0]
+
+
+@dataclass
+class _Sum:
+    """Own changes added up: in all, and per group (a priority or a tenant: in flight,
+    outstanding ms), as the ledger's snapshot counts them."""
+
+    totals: Totals = ZERO
+    groups: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def add(self, delta: Totals, groups: tuple[str, ...], sign: int = 1) -> None:
+        held, work, kv = self.totals
+        self.totals = (held + sign * delta[0], work + sign * delta[1], kv + sign * delta[2])
+        for group in groups:
+            n, group_work = self.groups.get(group, (0, 0.0))
+            n, group_work = n + sign * delta[0], group_work + sign * delta[1]
+            if n == 0 and abs(group_work) < 1e-6:
+                self.groups.pop(group, None)
+            else:
+                self.groups[group] = (n, group_work)
 
 
 @dataclass
 class _View:
     """One pool's local view: the ledger's newest snapshot (newest by when its call was sent:
     answers come back out of order), plus this process's own changes that snapshot cannot
-    hold. The decision's input while the ledger is away.
+    hold, in all and per group (so a tenant's caps and shares hold in an outage too). The
+    decision's input while the ledger is away.
 
     A change counts from when it reached the ledger's queue: an admission from when its
     reserve was sent, a completion or a recharge from when it happens (before its call is
@@ -99,30 +117,39 @@ class _View:
 
     base: Snapshot = field(default_factory=lambda: Snapshot(inflight=0, outstanding_ms=0.0))
     sent: float = -math.inf  # when ``base``'s call was sent (time.monotonic)
-    changes: list[tuple[float, Totals]] = field(default_factory=list)  # sorted by time
-    since: Totals = ZERO
-    unrecorded: Totals = ZERO
+    changes: list[Change] = field(default_factory=list)  # sorted by time
+    since: _Sum = field(default_factory=_Sum)
+    unrecorded: _Sum = field(default_factory=_Sum)
 
-    def change(self, delta: Totals, at: float) -> None:
+    def change(self, delta: Totals, groups: tuple[str, ...], at: float) -> None:
         if at <= self.sent:  # the base holds it already
             return
-        insort(self.changes, (at, delta), key=_when)
-        self.since = _plus(self.since, delta)
+        insort(self.changes, (at, delta, groups), key=_when)
+        self.since.add(delta, groups)
 
     def saw(self, snapshot: Snapshot, sent: float) -> None:
         if sent < self.sent:  # an older call's answer, come back late
             return
         self.base, self.sent = snapshot, sent
         held = bisect_right(self.changes, sent, key=_when)
-        for _, delta in self.changes[:held]:
-            self.since = _plus(self.since, delta, -1)
+        for _, delta, groups in self.changes[:held]:
+            self.since.add(delta, groups, -1)
         del self.changes[:held]
 
     def snapshot(self) -> Snapshot:
-        held, work, kv = _plus(self.since, self.unrecorded)
-        return Snapshot(inflight=max(0, self.base.inflight + held),
-                        outstanding_ms=max(0.0, self.base.outstanding_ms + work),
-                        kv_tokens=max(0, self.base.kv_tokens + kv))
+        base = self.base
+        (held, work, kv), (held2, work2, kv2) = self.since.totals, self.unrecorded.totals
+        groups = dict(base.groups)
+        for own in (self.since, self.unrecorded):
+            for group, (n, group_work) in own.groups.items():
+                n0, work0 = groups.get(group, (0, 0.0))
+                groups[group] = (n0 + n, work0 + group_work)
+        return Snapshot(inflight=max(0, base.inflight + held + held2),
+                        outstanding_ms=max(0.0, base.outstanding_ms + work + work2),
+                        kv_tokens=max(0, base.kv_tokens + kv + kv2),
+                        prefill_tokens=base.prefill_tokens,
+                        groups={group: (n, max(0.0, group_work))
+                                for group, (n, group_work) in groups.items() if n > 0})
 
 
 class Leases:
@@ -221,10 +248,11 @@ class Leases:
         view = self._view(ticket.pool)
         charge = (1, ticket.cost_ms, ticket.kv_tokens)
         if ticket.recorded:
-            view.change(charge, time.monotonic() if reserved_at is None else reserved_at)
+            at = time.monotonic() if reserved_at is None else reserved_at
+            view.change(charge, ticket.groups, at)
         else:
             self._unrecorded.add(ticket.request_id)
-            view.unrecorded = _plus(view.unrecorded, charge)
+            view.unrecorded.add(charge, ticket.groups)
         self.metrics.inflight(ticket.pool, +1)
 
     async def recharge(self, ticket: Ticket, cost_ms: float, kv_tokens: int) -> None:
@@ -258,9 +286,9 @@ class Leases:
         """A running ticket's change in the local view, from now."""
         view = self._view(ticket.pool)
         if ticket.recorded:
-            view.change(delta, time.monotonic())
+            view.change(delta, ticket.groups, time.monotonic())
         else:
-            view.unrecorded = _plus(view.unrecorded, delta)
+            view.unrecorded.add(delta, ticket.groups)
 
     def defer_release(self, request_id: str, pool: str) -> None:
         """Release the entry at the next reconcile (one that may have been recorded)."""
@@ -313,8 +341,8 @@ class Leases:
         if not ticket.recorded and not ticket.settled:  # settled: its release took it out
             charge = (1, ticket.cost_ms, ticket.kv_tokens)
             view = self._view(ticket.pool)
-            view.unrecorded = _plus(view.unrecorded, charge, -1)
-            view.change(charge, sent)
+            view.unrecorded.add(charge, ticket.groups, -1)
+            view.change(charge, ticket.groups, sent)
         ticket.recorded = True
         self._unrecorded.discard(ticket.request_id)
 

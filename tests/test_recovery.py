@@ -18,13 +18,14 @@ from collections.abc import Sequence
 import pytest
 
 from extproc import config
-from extproc.admission import Snapshot
+from extproc.admission import Reason, Snapshot
 from extproc.capacity import StaticCapacity
 from extproc.errors import LedgerUnavailable
 from extproc.gate import Gate
 from extproc.ledger import Cap, Entry
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
+from extproc.tenant import Tenant
 from extproc.verdict import Ticket, Verdict
 
 
@@ -84,18 +85,20 @@ def gate_on(ledger: SwitchedLedger) -> Gate:
         "pools": [{"name": "llama", "replicas": 1, "models": ["*"],
                    "engine": {"max_num_seqs": 16}}],
         # a shared ledger's settings (the fault policy is only theirs); never connected to
+        "tenant": {"source": "header", "tenants": {"acme": {"max_inflight": 2}}},
         "ledger": {"kind": "redis", "url": "redis://127.0.0.1:1", "on_unavailable": "fail_open",
                    "decision_deadline_ms": 10_000},
     })
     return Gate(cfg, ledger, StaticCapacity(cfg.pools), Metrics())
 
 
-async def decide(gate: Gate) -> Verdict:
+async def decide(gate: Gate, tenant: str | None = None) -> Verdict:
     route = gate.config.route("/v1/chat/completions")
     assert route is not None
     body = {"model": "llama", "max_tokens": 16,
             "messages": [{"role": "user", "content": "the ledger came back"}]}
-    return await gate.check(route, route.path, {}, json.dumps(body).encode())
+    return await gate.check(route, route.path, {}, json.dumps(body).encode(),
+                            tenant=None if tenant is None else Tenant(tenant, tenant))
 
 
 def ticket(verdict: Verdict) -> Ticket:
@@ -182,3 +185,19 @@ async def test_the_local_view_counts_an_admission_made_while_another_decisions_r
     assert gate.leases.local("llama").inflight == 2
     ledger.down = True  # and the outage decides on it
     assert gate.leases.local("llama").inflight == 2
+
+
+async def test_a_tenants_cap_holds_on_the_local_view_in_an_outage() -> None:
+    """acme may have 2 in flight and has 2 when the ledger goes away: a third is refused on
+    the local view, as the ledger would refuse it, while another tenant is admitted fail-open.
+    (The local view used to drop the snapshot's groups, and let acme past its cap.)"""
+    ledger = SwitchedLedger()
+    gate = gate_on(ledger)
+    for _ in range(2):
+        ticket(await decide(gate, "acme"))
+    assert (await decide(gate, "acme")).reason is Reason.TENANT_CAP
+    ledger.down = True
+    refused = await decide(gate, "acme")
+    assert refused.ticket is None and refused.reason is Reason.TENANT_CAP
+    assert not ticket(await decide(gate, "zeta")).recorded
+    assert gate.leases.local("llama").groups["t:acme"][0] == 2
