@@ -15,8 +15,8 @@ keeps the newest; a decision reuses it while it is at most ``FRESH_MS`` old inst
 ``snapshot`` first (``extproc.gate`` says when that decision stands).
 
 The local view (``local``): per pool, the ledger's newest snapshot plus this process's own
-admissions and minus its own completions since its call was sent (``_View``); the gate decides
-on it while the ledger is away (its fault policy, ``extproc.gate``).
+admissions and minus its own completions since its call was sent (``extproc.localview``); the
+gate decides on it while the ledger is away (its fault policy, ``extproc.gate``).
 
 Renewals and releases never fail a request: a heartbeat that finds an entry gone (its lease
 lapsed during an outage, a failover lost it, it was never recorded) records it again, because
@@ -39,15 +39,14 @@ import contextlib
 import logging
 import math
 import time
-from bisect import bisect_right, insort
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from extproc.admission import Snapshot
 from extproc.config import LedgerConfig, OnUnavailable
 from extproc.errors import LedgerUnavailable
 from extproc.ledger import Entry, Ledger, Recent
+from extproc.localview import Totals, View
 from extproc.metrics import Metrics
 from extproc.verdict import Ticket
 
@@ -68,90 +67,6 @@ FRESH_MS = 20.0
 T = TypeVar("T")
 
 
-Totals = tuple[int, float, int]  # in flight, outstanding ms, KV tokens
-ZERO: Totals = (0, 0.0, 0)
-Change = tuple[float, Totals, tuple[str, ...]]  # when, what, the groups it counts in
-
-
-def _when(change: Change) -> float:
-    return change[0]
-
-
-@dataclass
-class _Sum:
-    """Own changes added up: in all, and per group (a priority or a tenant: in flight,
-    outstanding ms), as the ledger's snapshot counts them."""
-
-    totals: Totals = ZERO
-    groups: dict[str, tuple[int, float]] = field(default_factory=dict)
-
-    def add(self, delta: Totals, groups: tuple[str, ...], sign: int = 1) -> None:
-        held, work, kv = self.totals
-        self.totals = (held + sign * delta[0], work + sign * delta[1], kv + sign * delta[2])
-        for group in groups:
-            n, group_work = self.groups.get(group, (0, 0.0))
-            n, group_work = n + sign * delta[0], group_work + sign * delta[1]
-            if n == 0 and abs(group_work) < 1e-6:
-                self.groups.pop(group, None)
-            else:
-                self.groups[group] = (n, group_work)
-
-
-@dataclass
-class _View:
-    """One pool's local view: the ledger's newest snapshot (newest by when its call was sent:
-    answers come back out of order), plus this process's own changes that snapshot cannot
-    hold, in all and per group (so a tenant's caps and shares hold in an outage too). The
-    decision's input while the ledger is away.
-
-    A change counts from when it reached the ledger's queue: an admission from when its
-    reserve was sent, a completion or a recharge from when it happens (before its call is
-    sent). A snapshot whose call was sent later holds it; one sent earlier does not, and its
-    change is added (``since``, the sum of ``changes``, the own changes after ``sent``).
-    Admissions the ledger has not recorded (``unrecorded``: fail-open, in the outage) are in no
-    snapshot until they are recorded. Resetting to each snapshot and counting from its answer
-    instead lost every admission a concurrent decision made in between (its snapshot, sent
-    before, came back after): with two decisions in flight before Redis paused, a gateway then
-    admitted 4 in the outage on a view that had room for 2; counting from the answer, a
-    snapshot reused from the admission's own reserve counted it twice and admitted 1."""
-
-    base: Snapshot = field(default_factory=lambda: Snapshot(inflight=0, outstanding_ms=0.0))
-    sent: float = -math.inf  # when ``base``'s call was sent (time.monotonic)
-    changes: list[Change] = field(default_factory=list)  # sorted by time
-    since: _Sum = field(default_factory=_Sum)
-    unrecorded: _Sum = field(default_factory=_Sum)
-
-    def change(self, delta: Totals, groups: tuple[str, ...], at: float) -> None:
-        if at <= self.sent:  # the base holds it already
-            return
-        insort(self.changes, (at, delta, groups), key=_when)
-        self.since.add(delta, groups)
-
-    def saw(self, snapshot: Snapshot, sent: float) -> None:
-        if sent < self.sent:  # an older call's answer, come back late
-            return
-        self.base, self.sent = snapshot, sent
-        held = bisect_right(self.changes, sent, key=_when)
-        for _, delta, groups in self.changes[:held]:
-            self.since.add(delta, groups, -1)
-        del self.changes[:held]
-
-    def snapshot(self) -> Snapshot:
-        base = self.base
-        (held, work, kv), (held2, work2, kv2) = self.since.totals, self.unrecorded.totals
-        groups = dict(base.groups)
-        for own in (self.since, self.unrecorded):
-            for group, (n, group_work) in own.groups.items():
-                n0, work0 = groups.get(group, (0, 0.0))
-                groups[group] = (n0 + n, work0 + group_work)
-        return Snapshot(inflight=max(0, base.inflight + held + held2),
-                        outstanding_ms=max(0.0, base.outstanding_ms + work + work2),
-                        kv_tokens=max(0, base.kv_tokens + kv + kv2),
-                        prefill_tokens=base.prefill_tokens,
-                        groups={group: (n, max(0.0, group_work))
-                                for group, (n, group_work) in groups.items() if n > 0})
-
-
 class Leases:
     """The tickets running here, the local view, and what the ledger still owes or is owed."""
 
@@ -161,7 +76,7 @@ class Leases:
         self.settings = settings
         self.metrics = metrics
         self._clock = clock
-        self._views: dict[str, _View] = {}
+        self._views: dict[str, View] = {}
         self._recent = ledger.recent if isinstance(ledger, Recent) else None
         self._newest = ledger.newest if isinstance(ledger, Recent) else None
         self._deferred: dict[str, str] = {}  # request id -> pool: releases to retry
@@ -213,15 +128,15 @@ class Leases:
             view.saw(snapshot, time.monotonic() - age)
         return view.snapshot()
 
-    def _view(self, pool: str) -> _View:
+    def _view(self, pool: str) -> View:
         view = self._views.get(pool)
         if view is None:
-            view = self._views[pool] = _View()
+            view = self._views[pool] = View()
         return view
 
     def saw(self, pool: str, snapshot: Snapshot, sent: float) -> None:
         """The ledger answered with the pool's snapshot, its call sent at ``sent``
-        (time.monotonic): the local view starts from it (``_View``)."""
+        (time.monotonic): the local view starts from it (``extproc.localview``)."""
         self._view(pool).saw(snapshot, sent)
         if self._down_since is not None:
             log.warning("ledger available again after %.1f s; %d decisions were made without"
