@@ -24,6 +24,7 @@ from extproc.errors import LedgerUnavailable
 from extproc.gate import Gate
 from extproc.ledger import Cap, Entry
 from extproc.ledger.memory import MemoryLedger
+from extproc.localview import View
 from extproc.metrics import Metrics
 from extproc.tenant import Tenant
 from extproc.verdict import Ticket, Verdict
@@ -201,3 +202,22 @@ async def test_a_tenants_cap_holds_on_the_local_view_in_an_outage() -> None:
     assert refused.ticket is None and refused.reason is Reason.TENANT_CAP
     assert not ticket(await decide(gate, "zeta")).recorded
     assert gate.leases.local("llama").groups["t:acme"][0] == 2
+
+
+def test_the_local_view_keeps_the_newest_snapshot_by_when_its_call_was_sent() -> None:
+    """Times are when calls were sent. A change before a snapshot's call is in it; one after
+    is added; an older call's answer that comes back late changes nothing."""
+    view = View()
+    view.change((1, 100.0, 10), ("t:a",), at=1.0)
+    view.saw(Snapshot(inflight=1, outstanding_ms=100.0, kv_tokens=10, groups={"t:a": (1, 100.0)}),
+             sent=2.0)
+    view.change((1, 50.0, 5), ("t:a",), at=3.0)
+    view.saw(Snapshot(inflight=0, outstanding_ms=0.0), sent=0.5)
+    seen = view.snapshot()
+    assert (seen.inflight, seen.outstanding_ms, seen.kv_tokens) == (2, 150.0, 15)
+    assert seen.groups == {"t:a": (2, 150.0)}
+    view.saw(Snapshot(inflight=2, outstanding_ms=150.0, kv_tokens=15,
+                      groups={"t:a": (2, 150.0)}), sent=4.0)
+    assert view.snapshot().groups == {"t:a": (2, 150.0)} and view.changes == []
+    view.change((-1, -100.0, -10), ("t:a",), at=5.0)  # one ends
+    assert view.snapshot().groups == {"t:a": (1, 50.0)}
