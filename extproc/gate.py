@@ -463,7 +463,7 @@ class Gate:
         ``LedgerUnavailable``; the next beat retries."""
         await self.leases.heartbeat()
 
-    async def probe(self, check: Awaitable[None]) -> None:
+    async def probe(self, check: Awaitable[object]) -> None:
         """The ledger's health probe (``Leases.probe``): it answered ``check`` and holds what
         this gateway owes it. Raises ``LedgerUnavailable``."""
         await self.leases.probe(check)

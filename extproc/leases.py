@@ -294,7 +294,7 @@ class Leases:
             await self._record_all([self._live[rid] for rid in list(self._unrecorded)
                                     if rid in self._live])
 
-    async def probe(self, check: Awaitable[None]) -> None:
+    async def probe(self, check: Awaitable[object]) -> None:
         """The ledger's health probe: ``check`` answered and nothing is owed to the ledger
         (``reconcile``, run here when something is). ``extproc.ledger`` is SERVING only after
         both, so a gateway that reports SERVING has its entries in the ledger again (its
