@@ -49,18 +49,16 @@ class View:
 
     A change counts from when it reached the ledger's queue: an admission from when its
     reserve was sent, a completion or a recharge from when it happens (before its call is
-    sent). A snapshot whose call was sent later holds it; one sent earlier does not, and its
-    change is added (``since``, the sum of ``changes``, the own changes after ``sent``).
-    Admissions the ledger has not recorded (``unrecorded``: fail-open, in the outage) are in no
-    snapshot until they are recorded. Resetting to each snapshot and counting from its answer
-    instead lost every admission a concurrent decision made in between (its snapshot, sent
-    before, came back after): with two decisions in flight before Redis paused, a gateway then
-    admitted 4 in the outage on a view that had room for 2; counting from the answer, a
-    snapshot reused from the admission's own reserve counted it twice and admitted 1."""
+    sent). A snapshot whose call was sent later holds it; one sent earlier does not, and the
+    change is added. Admissions the ledger has not recorded (``unrecorded``: fail-open, in the
+    outage) are in no snapshot until they are recorded. (Resetting to each snapshot instead
+    lost the admissions of decisions running concurrently: ``tests/test_recovery.py``.)"""
 
     base: Snapshot = field(default_factory=lambda: Snapshot(inflight=0, outstanding_ms=0.0))
     sent: float = -math.inf  # when ``base``'s call was sent (time.monotonic)
-    changes: list[Change] = field(default_factory=list)  # sorted by time
+    changes: list[Change] = field(default_factory=list)  # after ``sent``, sorted by time
+    # ``changes`` summed, kept as they come: in an outage ``changes`` grows with every
+    # completion, and each fail-open decision would sum it again
     since: Sum = field(default_factory=Sum)
     unrecorded: Sum = field(default_factory=Sum)
 
