@@ -92,6 +92,7 @@ from envoy_data_plane.envoy.config.core.v3 import (
     Pipe,
     RoutingPriority,
     SocketAddress,
+    SubstitutionFormatString,
     TypedExtensionConfig,
 )
 from envoy_data_plane.envoy.config.endpoint.v3 import (
@@ -128,6 +129,7 @@ from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
     HttpConnectionManager,
     HttpConnectionManagerCodecType,
+    HttpConnectionManagerPathWithEscapedSlashesAction,
     HttpConnectionManagerTracing,
     HttpFilter,
 )
@@ -149,11 +151,40 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, Int64Range, Percent, StatusCode
 from envoy_data_plane.google.protobuf import Any as AnyProto
+from envoy_data_plane.google.protobuf import Struct
 
 from extproc.config import Config, TenantConfig, TenantSource
 from extproc.request import REQUEST_TIME, forwarded_headers, header_attribute
+from extproc.responses import ADMISSION_NAMESPACE
 
 BUFFER_SLACK_BYTES = 1024
+# Envoy's access log, one JSON object per request: what operators' log pipelines parse.
+# ``admission``/``reason``/``pool``/``class`` are the sidecar's verdict (dynamic metadata it
+# sends back: ``responses.verdict_metadata``), absent where it did not decide (a path it does
+# not manage, or fail-open while it is away: ``details`` then says ``ext_proc_error``...).
+# The path is logged without its query string (where some clients put API keys); no header a
+# client controls but the request id and user agent, and never the body.
+ACCESS_LOG: dict[str, str] = {
+    "start_time": "%START_TIME%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%PATH(NQ)%",
+    "protocol": "%PROTOCOL%",
+    "status": "%RESPONSE_CODE%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+    "flags": "%RESPONSE_FLAGS%",
+    "admission": f"%DYNAMIC_METADATA({ADMISSION_NAMESPACE}:outcome)%",
+    "reason": f"%DYNAMIC_METADATA({ADMISSION_NAMESPACE}:reason)%",
+    "pool": f"%DYNAMIC_METADATA({ADMISSION_NAMESPACE}:pool)%",
+    "class": f"%DYNAMIC_METADATA({ADMISSION_NAMESPACE}:class)%",
+    "retry_after_ms": "%RESP(RETRY-AFTER-MS)%",
+    "bytes_received": "%BYTES_RECEIVED%",
+    "bytes_sent": "%BYTES_SENT%",
+    "duration_ms": "%DURATION%",
+    "upstream_host": "%UPSTREAM_HOST%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "user_agent": "%REQ(USER-AGENT)%",
+}
+
 MAX_DOWNSTREAM_CONNECTIONS = 100_000
 _BIG = 100_000
 _HEADER = ProcessingModeHeaderSendMode
@@ -198,6 +229,8 @@ class _Doc:
                 return msg.to_dict(casing=betterproto2.Casing.SNAKE)
             return {"@type": msg.type_url, **self.json(self._packed[id(msg)][1])}
         out = msg.to_dict(casing=betterproto2.Casing.SNAKE)
+        if isinstance(msg, Struct):  # its JSON form is the mapping itself, not its fields
+            return out
         if id(msg) in self._explicit:
             full = msg.to_dict(casing=betterproto2.Casing.SNAKE, include_default_values=True)
             out.update({name: full[name] for name in self._explicit[id(msg)][1]})
@@ -239,7 +272,7 @@ class Topology:
     extra_extprocs: tuple[tuple[str, int], ...] = ()  # more replicas sharing one ledger
     fail_open: bool = True
     status_on_error: int = 503  # what a fail-closed gateway answers while the processor is away
-    access_log: bool = False
+    access_log: bool = True  # one JSON line per request on Envoy's stdout (ACCESS_LOG)
     processor: bool = True  # False: no ext_proc filter nor cluster (the benchmark's baseline)
     # Filters placed before ext_proc, e.g. the JWT filter whose payload names the tenant
     # (their typed_config packed with ``google.protobuf.Any.pack``).
@@ -361,7 +394,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             # sends a filter's attributes with a stream's first message and ignores a
             # route's own list
             request_attributes=_attributes(config) if one_trip else [],
-            metadata_options=_forwarded_metadata(config.tenant),
+            metadata_options=_metadata_options(config.tenant),
             processing_mode=_processing_mode(doc, _HEADER.SEND),
         ), "failure_mode_allow")))
     hcm = doc.explicit(HttpConnectionManager(
@@ -369,6 +402,13 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         codec_type=HttpConnectionManagerCodecType.AUTO,
         stream_idle_timeout=_s(600),
         request_timeout=_s(topo.request_timeout_s),
+        # the path every filter, the route and the backend see is the canonical one, so a
+        # path spelled otherwise (%2F, %76, dot segments, //) cannot route past admission
+        # (PATH_NORMALIZATION)
+        normalize_path=True,
+        merge_slashes=True,
+        path_with_escaped_slashes_action=(
+            HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD),
         route_config=RouteConfiguration(name="inference", virtual_hosts=[VirtualHost(
             name="inference",
             domains=["*"],
@@ -401,7 +441,9 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         )
     if topo.access_log:
         hcm.access_log = [AccessLog(name="envoy.access_loggers.stdout",
-                                    typed_config=doc.pack(StdoutAccessLog()))]
+                                    typed_config=doc.pack(StdoutAccessLog(
+                                        log_format=SubstitutionFormatString(
+                                            json_format=Struct.from_dict(ACCESS_LOG)))))]
     buffer_limit = config.max_body_bytes + BUFFER_SLACK_BYTES
     inference = doc.explicit(Cluster(
         name="inference",
@@ -526,13 +568,16 @@ def _overload_manager(doc: _Doc) -> OverloadManager:
     )])
 
 
-def _forwarded_metadata(tenant: TenantConfig) -> MetadataOptions | None:
-    """With ``tenant.source: metadata``, Envoy forwards that namespace (e.g. the JWT payload
-    jwt_authn wrote) on each ext_proc message; nothing else is forwarded."""
-    if tenant.source is not TenantSource.METADATA:
-        return None
-    return MetadataOptions(forwarding_namespaces=MetadataOptionsMetadataNamespaces(
-        untyped=[tenant.metadata_namespace]))
+def _metadata_options(tenant: TenantConfig) -> MetadataOptions:
+    """What the sidecar writes back: its verdict in ``ADMISSION_NAMESPACE``
+    (``responses.verdict_metadata``), read by the access log. With ``tenant.source:
+    metadata``, Envoy also forwards that namespace (e.g. the JWT payload jwt_authn wrote) on
+    each ext_proc message; nothing else is forwarded."""
+    forwarded = ([tenant.metadata_namespace] if tenant.source is TenantSource.METADATA else [])
+    return MetadataOptions(
+        forwarding_namespaces=(MetadataOptionsMetadataNamespaces(untyped=forwarded)
+                               if forwarded else None),
+        receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[ADMISSION_NAMESPACE]))
 
 
 def _trust_tenant_source(doc: _Doc, tenant: TenantConfig, hcm: HttpConnectionManager,

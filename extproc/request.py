@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.config import Api, Config, TenantSource
+from extproc.config import Api, Config, TenantSource, canonical_path
 from extproc.errors import BadRequest, UnsupportedMedia
 
 MAX_PROMPTS = 4096  # list prompts / embedding inputs per request
@@ -71,7 +71,7 @@ def parse(api: Api, body: bytes, *, path: str = "") -> InferenceRequest:
         return _completions(doc)
     if api is Api.OPENAI_EMBEDDINGS:
         return _embeddings(doc)
-    return _tgi(doc, stream=path.split("?", 1)[0].endswith("_stream"))
+    return _tgi(doc, stream=canonical_path(path).endswith("_stream"))
 
 
 def _reject_constant(name: str) -> Any:

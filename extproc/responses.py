@@ -12,6 +12,11 @@
 
 Every answer we make ourselves has an OpenAI-style JSON error body and an
 ``x-admission-reason`` header. Bodies never quote the request.
+
+Every answer to a decided request, continue or not, also carries the verdict as Envoy dynamic
+metadata in ``ADMISSION_NAMESPACE`` (``with_verdict``: outcome, reason, pool, class; no
+tenant, nothing of the request's content), which Envoy's access log writes on the request's
+line (``envoyconf.ACCESS_LOG``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from extproc.errors import RequestError
 from extproc.retry import retry_delay_ms
 
 REASON_HEADER = "x-admission-reason"
+ADMISSION_NAMESPACE = "extproc"  # Envoy's dynamic metadata namespace for the verdict
 
 _OVERLOAD_MESSAGES = {
     Reason.DEADLINE: "The model is at capacity: this request would not finish within its"
@@ -55,6 +61,15 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     return json.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
     ).encode()
+
+
+def with_verdict(response: pb.ProcessingResponse, outcome: str, reason: str,
+                 pool: str | None, service_class: str | None) -> pb.ProcessingResponse:
+    """``response`` with the verdict as dynamic metadata (module docstring)."""
+    fields = {"outcome": outcome, "reason": reason, "pool": pool, "class": service_class}
+    response.dynamic_metadata.fields[ADMISSION_NAMESPACE].struct_value.update(
+        {k: v for k, v in fields.items() if v is not None})
+    return response
 
 
 def continue_phase(phase: str | None) -> pb.ProcessingResponse:

@@ -315,13 +315,17 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return self.gate.refuse(error, service_class, tenant)
 
     def _answer(self, verdict: Verdict) -> tuple[pb.ProcessingResponse, Verdict]:
+        return responses.with_verdict(self._response(verdict), verdict.outcome, verdict.reason,
+                                      verdict.pool, verdict.service_class), verdict
+
+    def _response(self, verdict: Verdict) -> pb.ProcessingResponse:
         if not verdict.blocks:
-            return responses.continue_body(), verdict
+            return responses.continue_body()
         if verdict.error is not None:
-            return responses.refused(verdict.error, verdict.reason), verdict
+            return responses.refused(verdict.error, verdict.reason)
         retry_ms = verdict.decision.retry_after_ms if verdict.decision else None
         delay_ms = retry_delay_ms(retry_ms, self.config.retry_after, self.rng)
-        return responses.overloaded(verdict.reason, delay_ms), verdict
+        return responses.overloaded(verdict.reason, delay_ms)
 
 
 def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:

@@ -17,6 +17,7 @@ consumers read is importable from here.
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -230,6 +231,29 @@ DEFAULT_ROUTES: list[dict[str, Any]] = [
 Classes = Annotated[Mapping[str, ClassPolicy], BeforeValidator(_with_default_classes)]
 
 
+
+def canonical_path(path: str) -> str:
+    """The path as the most lenient backend routes it: query string dropped, percent-escapes
+    decoded until none is left (``%2F`` and ``%252F`` included), backslashes read as slashes,
+    runs of slashes merged, dot segments resolved, a trailing slash dropped. vLLM's server
+    (Starlette on uvicorn) routes on the decoded path: ``/v1/chat%2Fcompletions`` is its chat
+    endpoint."""
+    bare = path.split("?", 1)[0].split("#", 1)[0]
+    for _ in range(4):  # each round decodes one level of escaping; 4 is beyond any client
+        decoded = urllib.parse.unquote(bare)
+        if decoded == bare:
+            break
+        bare = decoded
+    parts: list[str] = []
+    for part in bare.replace("\\", "/").split("/"):
+        if part == "..":
+            if parts:
+                parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return "/" + "/".join(parts)
+
+
 @dataclass(frozen=True, config=MODEL)
 class Config:
     pools: Annotated[tuple[Pool, ...], Rule(_pools, quote=False, minItems=1)] = Field(
@@ -286,8 +310,10 @@ class Config:
     """Mutual TLS on listen; absent: plaintext (loopback, unix)."""
 
     def route(self, path: str) -> Route | None:
-        """The route for a request path (query string ignored), or None to pass it untouched."""
-        bare = path.split("?", 1)[0]
+        """The route for a request path, or None to pass it untouched. The path is matched
+        as a backend that decodes it would route it (``canonical_path``), so no spelling of
+        an admission path passes undecided, whatever Envoy in front normalized."""
+        bare = canonical_path(path)
         for route in self.routes:
             if route.path == bare:
                 return route
