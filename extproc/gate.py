@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -137,6 +138,10 @@ class Gate:
         self._forgotten_at = self._clock()
         self._reported: dict[tuple[str, int, int], Pool] = {}  # pools with engines' KV sizes
         for pool in config.pools:
+            # read when scraped, so it falls to zero as the pool empties, not at the next
+            # decision: the ledger's newest answer and this gateway's own changes since
+            metrics.outstanding.labels(pool.name).set_function(
+                functools.partial(self._outstanding_s, pool.name))
             settings, stats = pool.engine_metrics, self.engines.get(pool.name)
             if settings is not None and settings.learn_output_lengths and stats is not None:
                 self._learns_lengths.add(pool.name)
@@ -169,6 +174,9 @@ class Gate:
         for learning in self.learning.values():
             learning.decay(factor)
             learning.resolve(now)  # the requests whose deadline came, while none asks
+
+    def _outstanding_s(self, pool: str) -> float:
+        return self.leases.local(pool).outstanding_ms / 1000.0
 
     async def check(self, route: Route, path: str, headers: Mapping[str, str],
                     body: bytes, trace: Mapping[str, str] | None = None,
@@ -330,8 +338,6 @@ class Gate:
                     snapshot, sent_at = await self._snapshot(pool.name, read)
                     current = sent_at >= began
                     leases.saw(pool.name, snapshot, sent_at)
-                    self.metrics.outstanding.labels(pool.name).set(
-                        snapshot.outstanding_ms / 1000.0)
                     self.metrics.groups(pool.name, snapshot, ask.groups, self._labels.label)
                     fix = self._engine_correction(pool, snapshot, engines)
                     verdict = self._verdict(admit(ask, pool, self.config, learning, snapshot,

@@ -112,7 +112,9 @@ class Metrics:
             buckets=(*_LATENCY_BUCKETS, 1.0, 2.0), registry=self.registry)
         self.outstanding = Gauge(
             "extproc_outstanding_work_seconds",
-            "Estimated GPU work owed to in-flight requests, per pool, at the last decision.",
+            "Estimated GPU work owed to in-flight requests, per pool, as this gateway sees it"
+            " when scraped: the ledger's newest answer and its own admissions and releases"
+            " since.",
             ["pool"], registry=self.registry)
 
         self.ledger_seconds = Histogram(

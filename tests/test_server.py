@@ -63,9 +63,25 @@ async def test_admitted_stream_holds_its_entry_until_the_stream_ends(
         service: Service, stub: pb_grpc.ExternalProcessorStub) -> None:
     s = await admit_one(stub)
     assert (await service.gate.ledger.snapshot("llama")).inflight == 1
+    assert await metric(service, "extproc_outstanding_work_seconds", pool="llama") > 0
     await s.close()
     assert (await service.gate.ledger.snapshot("llama")).inflight == 0
     assert await metric(service, "extproc_inflight_requests", pool="llama") == 0
+    # the pool is empty now, not at the next decision
+    assert await metric(service, "extproc_outstanding_work_seconds", pool="llama") == 0
+
+
+async def test_every_decided_answer_carries_the_verdict_for_envoys_access_log(
+        stub: pb_grpc.ExternalProcessorStub) -> None:
+    s = Stream(stub)
+    await s.send(headers())
+    admitted = await s.send(body(chat(100)))
+    refused = await Stream(stub).send(one_trip(b"{not json"))
+    verdicts = [{k: v for k, v in resp.dynamic_metadata.fields["extproc"].struct_value.items()}
+                for resp in (admitted, refused)]
+    assert verdicts == [
+        {"outcome": "admit", "reason": "fits", "pool": "llama", "class": "latency"},
+        {"outcome": "invalid", "reason": "bad_request", "class": "latency"}]  # no model read
 
 
 async def test_cancelled_stream_releases_its_entry(
