@@ -17,6 +17,16 @@ fewest running + waiting. ``/metrics`` uses vLLM's names summed over replicas (w
 ``vllm:cache_config_info`` carrying ``block_size`` and ``num_gpu_blocks`` as labels, as vLLM
 does); the latency and output-length (``vllm:request_generation_tokens``) histograms count
 completed requests only.
+
+Output lengths follow vLLM's length controls: ``ignore_eos: true`` gives exactly ``max_tokens``
+(``max_completion_tokens`` for chat), as load tools that want fixed output lengths expect;
+``min_tokens`` is a floor under the model's own length (the drawn one, or the
+``extproc_output_tokens`` extension). Without an explicit limit the cap is
+``DEFAULT_MAX_TOKENS`` (raised to ``min_tokens``; ``ignore_eos`` alone gives that many), where
+vLLM's is the rest of the context.
+
+``serve``'s access log is aiohttp's, except that ``/health`` and ``/metrics`` probes go to DEBUG: a
+load test's scrapes and health checks would otherwise be most of the lines.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import logging
 import random
 import struct
 import time
@@ -34,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import generate_latest
@@ -49,6 +61,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 # vLLM's 1-2-5 series up to the model's context length (here 20,000 tokens)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+PROBE_PATHS = frozenset({"/health", "/metrics"})  # access-logged at DEBUG, not INFO
 
 
 class Request(Sequence):
@@ -161,14 +174,47 @@ class _Call:
     prompt_tokens: int
     max_tokens: int
     output_tokens: int | None  # the extproc_output_tokens extension; None: draw one
+    ignore_eos: bool
+    min_tokens: int
     stream: bool
     include_usage: bool
+
+    def length(self, natural: int) -> int:
+        """The output length vLLM gives when the model would stop after ``natural`` tokens:
+        ``max_tokens`` under ``ignore_eos`` (no EOS ends it early), else ``natural`` floored at
+        ``min_tokens`` and capped at ``max_tokens`` (``_parse_call`` keeps min <= max)."""
+        if self.ignore_eos:
+            return self.max_tokens
+        return max(1, self.min_tokens, min(natural, self.max_tokens))
 
 
 def _positive_int(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is not None and (type(value) is not int or value < 1):
         raise BadRequest(f"{key} must be a positive integer", param=key)
+    return value
+
+
+def _min_tokens(body: dict[str, Any], max_tokens: int | None) -> int:
+    """``min_tokens`` (default 0), refused as vLLM's SamplingParams refuses it: negative, or
+    above an explicit ``max_tokens``."""
+    value = body.get("min_tokens", 0)
+    if type(value) is not int:  # null too: vLLM's field is a plain int
+        raise BadRequest("min_tokens must be an integer", param="min_tokens")
+    if value < 0:
+        raise BadRequest(f"min_tokens must be greater than or equal to 0, got {value}.",
+                         param="min_tokens")
+    if max_tokens is not None and value > max_tokens:
+        raise BadRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens},"
+                         f" got {value}.", param="min_tokens")
+    return value
+
+
+def _ignore_eos(body: dict[str, Any]) -> bool:
+    """``ignore_eos`` (default false); anything but a JSON boolean is refused, null too."""
+    value = body.get("ignore_eos", False)
+    if not isinstance(value, bool):
+        raise BadRequest("ignore_eos must be a boolean", param="ignore_eos")
     return value
 
 
@@ -237,12 +283,16 @@ def _parse_call(body: object, chat: bool) -> _Call:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     limit = _positive_int(body, "max_completion_tokens") if chat else None
+    limit = limit or _positive_int(body, "max_tokens")
+    min_tokens = _min_tokens(body, limit)
     options = body.get("stream_options")
     return _Call(
         chat=chat,
         prompt_tokens=_prompt_tokens(body, chat),
-        max_tokens=limit or _positive_int(body, "max_tokens") or DEFAULT_MAX_TOKENS,
+        max_tokens=limit or max(DEFAULT_MAX_TOKENS, min_tokens),
         output_tokens=_positive_int(body, "extproc_output_tokens"),
+        ignore_eos=_ignore_eos(body),
+        min_tokens=min_tokens,
         stream=body.get("stream") is True,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
     )
@@ -337,7 +387,7 @@ class _Backend:
             call = _parse_call(await _read_json(request), chat)
             wanted = call.output_tokens or round(self.rng.lognormvariate(LENGTH_MU, LENGTH_SIGMA))
             loop_time = asyncio.get_running_loop().time()
-            seq = Request(call.prompt_tokens, max(1, min(wanted, call.max_tokens)), loop_time)
+            seq = Request(call.prompt_tokens, call.length(wanted), loop_time)
             engine = min(self.engines, key=lambda e: e.load)
             engine.submit(seq)
         except BadRequest as exc:
@@ -472,6 +522,16 @@ class _Preemptions:
         yield family
 
 
+class _AccessLog(AccessLogger):
+    """aiohttp's access log with ``PROBE_PATHS`` at DEBUG (method, path, status)."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if request.path not in PROBE_PATHS:
+            super().log(request, response, time)
+        elif self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug("%s %s %s", request.method, request.path_qs, response.status)
+
+
 def build_app(model: EngineModel, *, replicas: int = 1, model_name: str = "fake-llm",
               seed: int = 0, time_scale: float = 1.0) -> web.Application:
     """The fake server as an aiohttp app; its ``replicas`` engines share one port and registry.
@@ -498,7 +558,7 @@ async def serve(host: str, port: int, model: EngineModel, *, replicas: int = 1,
     """Serve the fake backend on ``host:port`` until cancelled."""
     app = build_app(model, replicas=replicas, model_name=model_name, seed=seed,
                     time_scale=time_scale)
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log_class=_AccessLog)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

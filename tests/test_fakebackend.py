@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -21,7 +24,7 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.engine import EngineModel
-from extproc_dev.fakebackend import build_app
+from extproc_dev.fakebackend import build_app, serve
 
 Client = TestClient[web.Request, web.Application]
 DEFAULT = EngineModel()
@@ -59,11 +62,40 @@ async def post_json(client: Client, body: dict[str, Any],
     return await response.json()
 
 
-async def stream_events(client: Client, body: dict[str, Any]) -> list[str]:
+async def stream_events(client: Client, body: dict[str, Any],
+                        path: str = "/v1/chat/completions") -> list[str]:
     """The ``data:`` payloads of one streamed call, in order."""
-    response = await client.post("/v1/chat/completions", json=body | {"stream": True})
+    response = await client.post(path, json=body | {"stream": True})
     assert response.headers["Content-Type"].startswith("text/event-stream")
     return [line[6:] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+
+
+async def generate(client: Client, path: str, body: dict[str, Any],
+                   stream: bool) -> tuple[str, dict[str, int], str]:
+    """(text, usage, finish_reason) of one call to ``path``, whole or streamed with usage."""
+    if not stream:
+        choice = (answer := await post_json(client, body, path))["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return text, answer["usage"], choice["finish_reason"]
+    events = await stream_events(client, body | {"stream_options": {"include_usage": True}}, path)
+    chunks = [json.loads(e) for e in events[:-1]]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    text = "".join(c["text"] if "text" in c else c["delta"].get("content", "") for c in choices)
+    return text, chunks[-1]["usage"], choices[-1]["finish_reason"]
+
+
+def length_body(path: str, natural: int, limit: int, **extra: Any) -> dict[str, Any]:
+    """A call to ``path`` whose model would stop after ``natural`` tokens, capped at ``limit``
+    (``max_completion_tokens`` for chat, ``max_tokens`` for completions)."""
+    if path == "/v1/chat/completions":
+        return chat(natural, max_completion_tokens=limit, **extra)
+    return {"model": "m", "prompt": "x" * 40, "extproc_output_tokens": natural,
+            "max_tokens": limit} | extra
+
+
+ENDPOINTS = pytest.mark.parametrize(("path", "stream"), [
+    (path, stream) for path in ("/v1/completions", "/v1/chat/completions")
+    for stream in (False, True)])
 
 
 async def stream_timing(client: Client, output_tokens: int) -> tuple[float, float]:
@@ -132,6 +164,48 @@ async def test_drawn_output_lengths_are_seeded_and_capped() -> None:
     first = await lengths(7)
     assert first == await lengths(7)
     assert len(set(first)) > 1 and all(1 <= n <= 300 for n in first)
+
+
+@pytest.mark.asyncio
+@ENDPOINTS
+async def test_ignore_eos_generates_exactly_the_token_limit(path: str, stream: bool) -> None:
+    async with serving() as client:
+        fixed = await generate(client, path, length_body(path, 3, 12, ignore_eos=True), stream)
+        natural = await generate(client, path, length_body(path, 3, 12, ignore_eos=False), stream)
+    assert fixed == (" tok" * 12, {"prompt_tokens": 10, "completion_tokens": 12,
+                                   "total_tokens": 22}, "length")
+    assert natural[1]["completion_tokens"] == 3 and natural[2] == "stop"
+
+
+@pytest.mark.asyncio
+@ENDPOINTS
+async def test_min_tokens_is_a_floor_under_the_model_length(path: str, stream: bool) -> None:
+    async with serving() as client:
+        raised = await generate(client, path, length_body(path, 3, 12, min_tokens=8), stream)
+        kept = await generate(client, path, length_body(path, 5, 12, min_tokens=2), stream)
+    assert raised[0] == " tok" * 8 and raised[1]["completion_tokens"] == 8
+    assert kept[1]["completion_tokens"] == 5
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/completions", {"ignore_eos": "true"}, "ignore_eos"),
+    ("/v1/chat/completions", {"ignore_eos": 1}, "ignore_eos"),
+    ("/v1/chat/completions", {"ignore_eos": None}, "ignore_eos"),
+    ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
+    ("/v1/chat/completions", {"min_tokens": 2.0}, "min_tokens"),
+    ("/v1/completions", {"min_tokens": 13}, "min_tokens"),  # above max_tokens=12
+    ("/v1/chat/completions", {"min_tokens": 13}, "min_tokens"),  # max_completion_tokens=12
+])
+async def test_bad_length_controls_get_an_openai_error(path: str, extra: dict[str, Any],
+                                                       param: str) -> None:
+    async with serving() as client:
+        response = await client.post(path, json=length_body(path, 3, 12, **extra))
+        body = await response.json()
+    assert response.status == 400
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["param"] == param
 
 
 @pytest.mark.asyncio
@@ -303,6 +377,49 @@ async def test_health_can_be_switched_off_and_on() -> None:
         assert (await client.get("/health")).status == 503
         await client.post("/admin/health", json={"healthy": True})
         assert (await client.get("/health")).status == 200
+
+
+@pytest.mark.asyncio
+async def test_serve_logs_probes_at_debug_and_other_requests_at_info(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="aiohttp.access")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    server = asyncio.create_task(serve("127.0.0.1", port, DEFAULT, time_scale=0.01))
+
+    def levels() -> dict[str, set[int]]:
+        """Access-log levels of each path, from the request line in each message."""
+        seen: dict[str, set[int]] = {}
+        for record in caplog.records:
+            for path in ("/v1/models", "/health", "/metrics"):
+                if record.name == "aiohttp.access" and f"GET {path} " in record.getMessage():
+                    seen.setdefault(path, set()).add(record.levelno)
+        return seen
+
+    try:
+        async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+            while True:  # until serve listens
+                if server.done():
+                    server.result()  # raises what stopped it (the port taken meanwhile?)
+                try:
+                    async with session.get(base + "/v1/models") as response:
+                        assert response.status == 200
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.02)
+            for path in ("/health", "/metrics"):
+                async with session.get(base + path) as response:
+                    assert response.status == 200
+            while len(levels()) < 3:  # noqa: ASYNC110 - a line is written after its response
+                await asyncio.sleep(0.01)
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+    assert levels() == {"/v1/models": {logging.INFO}, "/health": {logging.DEBUG},
+                        "/metrics": {logging.DEBUG}}
 
 
 @pytest.mark.asyncio
