@@ -47,6 +47,18 @@ fewer) and answering only after ~25 s of queueing. The article's "zero goodput" 
 needed a server that kept working for clients that had gone (its p95 47 s outlived the
 30 s timeout); an aborting server does not show that collapse.
 
+What it shows while and after it runs. Each run takes up to the burst plus the clients'
+timeout (~70 s); meanwhile ``RunProgress`` says how far it is: on a terminal one status line
+redrawn about once a second (the bar ``extproc replay`` and ``eval`` draw, with requests
+sent, answered 200, answered 429, given up and in flight), elsewhere (CI, a pipe) a plain line
+every ``LOG_EVERY_S`` seconds so a log stays short. At the end, the table, and ``PLOT_NAME`` in
+the workdir: both runs side by side over the burst, by the second each request *arrived*
+(``timeline``): what became of that second's requests (within SLO, ok but past it, 429,
+given up or failed) and the p95 latency and TTFT of its ok ones. Arrival time, not end time,
+because it lines the two runs up request by request (same seed, same arrivals) and shows
+what a request sent at that moment went through; the shadow queue reads as a latency climbing
+to the timeout. No plot, and a line saying why, without matplotlib (the ``sim`` extra).
+
 ``time_scale`` (not on the command line) runs everything faster by one factor: backend
 timing, the pool's cost model, the class deadline and the client timeout; the tests use it.
 """
@@ -58,6 +70,8 @@ import contextlib
 import dataclasses
 import importlib.resources
 import json
+import math
+import os
 import signal
 import sys
 import threading
@@ -73,6 +87,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.config import Pool
 from extproc.engine import LLAMA_70B_FP8_2XH100
+from extproc.sim.report import Progress
 from extproc_dev import loadgen
 from extproc_dev.fakebackend import engine_flags
 from extproc_dev.stack import LocalStack, scrape
@@ -88,6 +103,10 @@ SEED = 7
 MODEL = "llama"
 MODES = ("shadow", "enforce")
 IDLE_WAIT_S = 15.0
+TICK_S = 1.0  # the status line's redraw on a terminal
+LOG_EVERY_S = 10.0  # ... and a plain line's period elsewhere
+PLOT_NAME = "demo.png"
+TITLES = {"shadow": "shadow (no admission)", "enforce": "enforce (admission)"}
 
 
 def tokenizer_path() -> str | None:
@@ -127,6 +146,172 @@ def backend_args(pool: Pool, time_scale: float) -> list[str]:
     return [*engine_flags(pool.engine), "--time-scale", str(time_scale), "--model", MODEL]
 
 
+class RunProgress:
+    """One run's progress on ``out``: on a terminal, ``Progress``'s bar redrawn in place with
+    the counts as its label (kept under 80 columns, so the redraw never wraps); otherwise a
+    plain line every ``every_s`` seconds of ``elapsed_s`` and one at the end. ``span_s`` is
+    the longest the run can take (last arrival + client timeout): the bar's 100%."""
+
+    def __init__(self, mode: str, requests: int, span_s: float, out: TextIO, *,
+                 tty: bool | None = None, every_s: float = LOG_EVERY_S) -> None:
+        self.mode = mode
+        self.requests = requests
+        self.span_s = span_s
+        self.out = out
+        self.every_s = every_s
+        self._next_s = every_s
+        tty = out.isatty() if tty is None else tty
+        self._bar = Progress("", out, every_s=TICK_S / 2, width=8) if tty else None
+
+    def update(self, tally: loadgen.Tally, elapsed_s: float) -> None:
+        if self._bar is not None:
+            self._bar.label = self._short(tally)
+            self._bar(elapsed_s, self.span_s)
+        elif elapsed_s >= self._next_s:
+            print(f"  {self.mode:<8} {elapsed_s:3.0f} s of at most {self.span_s:.0f}:"
+                  f" {self._long(tally)}", file=self.out, flush=True)
+            while self._next_s <= elapsed_s:
+                self._next_s += self.every_s
+
+    def close(self, tally: loadgen.Tally, elapsed_s: float, *, finished: bool = True) -> None:
+        """The last word: the bar at 100% (only if the run ``finished``: an interrupted one
+        keeps its last fraction) or a plain line."""
+        if self._bar is not None:
+            self._bar.label = self._short(tally)
+            if finished:
+                self._bar.close()
+            else:
+                self.out.write("\n")
+                self.out.flush()
+        else:
+            verb = "ended" if finished else "stopped"
+            print(f"  {self.mode:<8} {verb} after {elapsed_s:.0f} s: {self._long(tally)}",
+                  file=self.out, flush=True)
+
+    def _short(self, tally: loadgen.Tally) -> str:
+        n = tally.ended
+        failed = f"  failed {n['failed']}" if n["failed"] else ""  # only grows: redraw is clean
+        return (f"  sent {tally.sent:>3}  200 {n['ok']:>3}  429 {n['rejected']:>3}"
+                f"  gave up {n['abandoned']:>3}  in flight {tally.in_flight:>3}{failed}")
+
+    def _long(self, tally: loadgen.Tally) -> str:
+        n = tally.ended
+        return (f"sent {tally.sent}/{self.requests}, answered 200 {n['ok']}, 429"
+                f" {n['rejected']}, gave up {n['abandoned']}, failed {n['failed']}, in flight"
+                f" {tally.in_flight}")
+
+
+async def _play(workload: loadgen.Workload, url: str, *, timeout_s: float,
+                progress: RunProgress) -> list[loadgen.Result]:
+    """``loadgen.run`` with a task beside it that shows the tally every ``TICK_S``."""
+    tally = loadgen.Tally()
+    began = time.monotonic()
+
+    async def tick() -> None:
+        while True:
+            progress.update(tally, time.monotonic() - began)
+            await asyncio.sleep(TICK_S)
+
+    ticker = asyncio.create_task(tick())
+    finished = False
+    try:
+        results = await loadgen.run(workload, url, timeout_s=timeout_s, model=MODEL,
+                                    tally=tally)
+        finished = True
+        return results
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
+        progress.close(tally, time.monotonic() - began, finished=finished)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One run per ``bin_s`` of arrival time: how that bin's requests ended, and the p95
+    latency and TTFT of its ok ones (None: no ok request arrived in it)."""
+
+    bin_s: float
+    within_slo: tuple[int, ...]
+    late: tuple[int, ...]  # ok (200, whole answer) but past the deadline or the TTFT objective
+    rejected: tuple[int, ...]  # 429
+    gave_up: tuple[int, ...]  # abandoned at the client timeout, or failed
+    latency_p95_s: tuple[float | None, ...]
+    ttft_p95_s: tuple[float | None, ...]
+
+
+def timeline(results: list[loadgen.Result], workload: loadgen.Workload, deadline_s: float,
+             ttft_s: float, bin_s: float = 1.0) -> Timeline:
+    """Bin ``results`` by their request's arrival (``Result.index`` into the workload), with
+    the outcomes and SLO of ``loadgen.summarize``."""
+    bins = max(1, math.ceil(workload.duration_s / bin_s))
+    slo, late, rejected, gave_up = ([0] * bins for _ in range(4))
+    latencies: list[list[float]] = [[] for _ in range(bins)]
+    ttfts: list[list[float]] = [[] for _ in range(bins)]
+    for r in results:
+        i = min(int(workload.requests[r.index].at_s / bin_s), bins - 1)
+        kind = loadgen.outcome(r)
+        if kind == "ok":
+            (slo if loadgen.within_slo(r, deadline_s, ttft_s) else late)[i] += 1
+            latencies[i].append(r.latency_s)
+            if r.ttft_s is not None:
+                ttfts[i].append(r.ttft_s)
+        elif kind == "rejected":
+            rejected[i] += 1
+        else:
+            gave_up[i] += 1
+    return Timeline(bin_s, tuple(slo), tuple(late), tuple(rejected), tuple(gave_up),
+                    tuple(loadgen.percentile(v, 95) for v in latencies),
+                    tuple(loadgen.percentile(v, 95) for v in ttfts))
+
+
+def plot(timelines: Mapping[str, Timeline], path: str | os.PathLike[str], *,
+         deadline_s: float, ttft_s: float, title: str = "") -> None:
+    """One column per run, shared axes: the requests of each arrival second by outcome
+    (stacked, per second), and below the p95 latency and TTFT of the ok ones against the
+    deadline and the TTFT objective (log scale). matplotlib is imported only here."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    n = len(timelines)
+    fig, axes = plt.subplots(2, n, figsize=(4.4 * n + 2.2, 6.4), sharex=True, sharey="row",
+                             squeeze=False)
+    for col, (mode, tl) in enumerate(timelines.items()):
+        starts = [i * tl.bin_s for i in range(len(tl.within_slo))]
+        ax = axes[0][col]
+        bottom = [0.0] * len(starts)
+        for counts, colour, label in ((tl.within_slo, "tab:green", "ok within SLO"),
+                                      (tl.late, "tab:orange", "ok, past the SLO"),
+                                      (tl.rejected, "tab:red", "429"),
+                                      (tl.gave_up, "tab:grey", "gave up / failed")):
+            rates = [c / tl.bin_s for c in counts]
+            ax.bar(starts, rates, width=tl.bin_s, bottom=bottom, align="edge", color=colour,
+                   label=label, linewidth=0)
+            bottom = [b + r for b, r in zip(bottom, rates, strict=True)]
+        ax.set_title(TITLES.get(mode, mode), fontsize=10)
+        ax = axes[1][col]
+        middles = [t + tl.bin_s / 2 for t in starts]
+        for values, colour, label in ((tl.latency_p95_s, "tab:purple", "latency p95"),
+                                      (tl.ttft_p95_s, "tab:blue", "TTFT p95")):
+            ax.plot(middles, [math.nan if v is None else v for v in values], color=colour,
+                    lw=1.2, marker=".", ms=4, label=label)
+        ax.axhline(deadline_s, color="grey", ls="--", lw=0.8, label=f"deadline {deadline_s:g} s")
+        ax.axhline(ttft_s, color="grey", ls=":", lw=0.8, label=f"TTFT objective {ttft_s:g} s")
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival (s after the burst began)")
+    axes[0][0].set_ylabel("requests / s, by how they ended")
+    axes[1][0].set_ylabel("seconds, ok requests")
+    for ax in axes[:, -1]:  # beside the last column, clear of the data
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9, wrap=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 @dataclass
 class RunReport:
     """One mode's run: the client-side summary plus what the stack said about it."""
@@ -139,6 +324,7 @@ class RunReport:
     start_s: float = 0.0
     run_s: float = 0.0
     drained: bool = False
+    timeline: Timeline | None = None  # for the plot, not in the JSON
 
     def as_json(self) -> dict[str, Any]:
         return {**{k: _round(v) for k, v in self.summary.items()},
@@ -267,14 +453,19 @@ def run_mode(mode: str, workload: loadgen.Workload, pool: Pool, workdir: Path, *
         print(f"  {mode:<8} stack up in {report.start_s:.1f} s; sending "
               f"{len(workload.requests)} requests over {workload.duration_s:.0f} s ...",
               file=out, flush=True)
+        progress = RunProgress(mode, len(workload.requests), workload.duration_s + timeout_s,
+                               out)
         began = time.monotonic()
-        results = asyncio.run(loadgen.run(workload, stack.url, timeout_s=timeout_s, model=MODEL))
+        results = asyncio.run(_play(workload, stack.url, timeout_s=timeout_s,
+                                    progress=progress))
         report.run_s = time.monotonic() - began
         if dead := _dead(stack):
             raise StackFailed(f"{mode}: {', '.join(dead)} exited during the run; logs in "
                               f"{stack.workdir}")
         report.summary = loadgen.summarize(results, workload.duration_s,
                                            DEADLINE_S * time_scale, TTFT_S * time_scale)
+        report.timeline = timeline(results, workload, DEADLINE_S * time_scale,
+                                   TTFT_S * time_scale)
         try:
             report.drained = _backends_idle(stack, IDLE_WAIT_S * time_scale)
             _read_extproc(stack, report)
@@ -327,8 +518,7 @@ def _rows(deadline_s: float, ttft_s: float) -> tuple[tuple[str, str, str], ...]:
 def table(reports: Mapping[str, RunReport], deadline_s: float, ttft_s: float) -> str:
     """The two runs side by side, in aligned columns."""
     modes = list(reports)
-    titles = {"shadow": "shadow (no admission)", "enforce": "enforce (admission)"}
-    rows: list[tuple[str, ...]] = [("", *[titles.get(m, m) for m in modes])]
+    rows: list[tuple[str, ...]] = [("", *[TITLES.get(m, m) for m in modes])]
     for label, key, kind in _rows(deadline_s, ttft_s):
         rows.append((label, *[_fmt(reports[m].summary.get(key), kind) for m in modes]))
     rows.append(("admission time in extproc, mean",
@@ -430,6 +620,18 @@ def main(duration_s: float = 40.0, rate_x: float = 3.0, workdir: str = ".demo", 
           f"{'' if wins else ' -- enforce did NOT win'}; within the deadline alone: goodput"
           f" x{_ratio(ratios['goodput'])} in requests, x{_ratio(ratios['token_goodput'])} in"
           " tokens", file=out)
+    plot_path: Path | None = Path(workdir) / PLOT_NAME
+    try:
+        plot({m: r.timeline for m, r in reports.items() if r.timeline is not None},
+             plot_path, deadline_s=deadline_s, ttft_s=TTFT_S * time_scale,
+             title=f"extproc demo: the same burst ({offered:.1f} req/s, {rate_x:g}x capacity,"
+                   f" {duration_s:g} s, seed {seed}) without admission and with it")
+    except ImportError:  # matplotlib comes with the 'sim' extra, not with 'demo'
+        plot_path = None
+        print("  plot       none: matplotlib is not installed"
+              " (pip install 'envoy-llm-admission[sim]')", file=out)
+    else:
+        print(f"  plot       {plot_path} (both runs over time, by arrival second)", file=out)
     elapsed = time.monotonic() - began
     print(f"  wall time {elapsed:.0f} s; logs and configs in {workdir}/", file=out)
     summary = {
@@ -450,6 +652,7 @@ def main(duration_s: float = 40.0, rate_x: float = 3.0, workdir: str = ".demo", 
         "ttft_objective_s": TTFT_S * time_scale,
         "ratios": {k: _round(v) for k, v in ratios.items()},
         "enforce_wins": wins,
+        "plot": None if plot_path is None else str(plot_path),
         "wall_s": _round(elapsed),
     }
     print("DEMO-SUMMARY " + json.dumps(summary, sort_keys=False), file=out, flush=True)

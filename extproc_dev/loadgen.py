@@ -21,6 +21,10 @@ the Llama 3 tokenizer counts about 10% fewer. Prompts are never logged.
 Each client abandons its request after ``timeout_s`` (its connection is closed, so the server
 sees the disconnect). Streaming answers are Server-Sent Events: every ``data:`` event with
 content counts as a token, until ``data: [DONE]``; the first one is the time to first token.
+
+Every request ends as exactly one ``outcome``: ok, rejected (429), abandoned or failed. A
+``Tally`` handed to ``run`` counts them while the run goes (for a progress line); ``summarize``
+counts them afterwards.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import math
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -180,6 +184,47 @@ class Result:
         return self.status == 200 and self.completed
 
 
+OUTCOMES = ("ok", "rejected", "abandoned", "failed")
+
+
+def outcome(result: Result) -> str:
+    """One of ``OUTCOMES``: ok (200, whole answer), rejected (a 429), abandoned (the client gave
+    up at its timeout) or failed (any other status, a broken stream, a connection error)."""
+    if result.ok:
+        return "ok"
+    if result.status == 429:
+        return "rejected"
+    return "abandoned" if result.abandoned else "failed"
+
+
+def within_slo(result: Result, deadline_s: float, ttft_objective_s: float | None) -> bool:
+    """ok, ended within ``deadline_s`` of its arrival and, if an objective is given, its first
+    token within ``ttft_objective_s`` (see ``summarize``)."""
+    return (result.ok and result.latency_s <= deadline_s
+            and (ttft_objective_s is None
+                 or (result.ttft_s is not None and result.ttft_s <= ttft_objective_s)))
+
+
+@dataclass
+class Tally:
+    """Live counts of a run in progress: requests sent and how many ended as each outcome.
+    ``run`` updates it on the event loop's thread; read it from a task of the same loop."""
+
+    sent: int = 0
+    ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+
+    @property
+    def in_flight(self) -> int:
+        return self.sent - sum(self.ended.values())
+
+    def add(self, result: Result) -> None:
+        self.ended[outcome(result)] += 1
+
+    def _settle(self, task: asyncio.Task[Result]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.add(task.result())
+
+
 @dataclass
 class _Progress:
     """Mutable per-request state, so a timeout still reports what had arrived."""
@@ -267,11 +312,13 @@ async def _one(session: aiohttp.ClientSession, index: int, url: str, body: bytes
 
 async def run(workload: Workload, base_url: str, *, timeout_s: float = 30.0,
               model: str = "llama", path: str = "/v1/chat/completions", stream: bool = True,
-              headers: Mapping[str, str] | None = None, hint_output: bool = True) -> list[Result]:
+              headers: Mapping[str, str] | None = None, hint_output: bool = True,
+              tally: Tally | None = None) -> list[Result]:
     """Play ``workload`` against ``base_url``; one ``Result`` per request, in workload order.
 
     Bodies are built before the clock starts, so the schedule is not disturbed by building
     them. Rejected requests are not retried. Cancelling the run cancels every request.
+    ``tally``, if given, counts each request as it leaves and as it ends.
     """
     bodies = [
         chat_body(p, prompt_text(p.prompt_tokens, random.Random(f"{workload.seed}:prompt:{i}")),
@@ -290,9 +337,13 @@ async def run(workload: Workload, base_url: str, *, timeout_s: float = 30.0,
                 delay = start + planned.at_s - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(_one(
+                task = asyncio.create_task(_one(
                     session, i, url, bodies[i], sent_headers, stream, start + planned.at_s,
-                    timeout_s)))
+                    timeout_s))
+                tasks.append(task)
+                if tally is not None:
+                    tally.sent += 1
+                    task.add_done_callback(tally._settle)
             return list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
@@ -316,8 +367,8 @@ def summarize(results: Sequence[Result], duration_s: float, deadline_s: float,
               ttft_objective_s: float | None = None) -> dict[str, Any]:
     """The numbers the demo and benchmarks print.
 
-    Every request is exactly one of ok, rejected_429, abandoned or failed (any other status,
-    a broken stream, a connection error). Percentiles are over the ok ones (200, whole
+    Every request is exactly one ``outcome``: ok, rejected_429, abandoned or failed (any other
+    status, a broken stream, a connection error). Percentiles are over the ok ones (200, whole
     answer). Shares are of all requests sent; rates are per second of the arrival window
     ``duration_s``.
 
@@ -332,10 +383,10 @@ def summarize(results: Sequence[Result], duration_s: float, deadline_s: float,
     latencies = [r.latency_s for r in ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     good = [r for r in ok if r.latency_s <= deadline_s]
-    slo = [r for r in good if ttft_objective_s is None
-           or (r.ttft_s is not None and r.ttft_s <= ttft_objective_s)]
-    rejected = sum(1 for r in results if not r.ok and r.status == 429)
-    abandoned = sum(1 for r in results if not r.ok and r.status != 429 and r.abandoned)
+    slo = [r for r in good if within_slo(r, deadline_s, ttft_objective_s)]
+    outcomes = [outcome(r) for r in results]
+    rejected = outcomes.count("rejected")
+    abandoned = outcomes.count("abandoned")
     return {
         "sent": sent,
         "ok": len(ok),
