@@ -159,7 +159,7 @@ BAD_VALUES = [
     ("config: {infeasible: drop}", "/config/infeasible", "'pass', 'reject'"),
     ("envoy: {port: http}", "/envoy/port", "want integer"),
     ("config: {pools: []}", "/config/pools", "minItems"),
-    ("config: {pools: [{models: ['*']}]}", "/config/pools/0", "missing property 'name'"),
+    ("config: {pools: [{name: ''}]}", "/config/pools/0/name", "minLength"),
     ("config: {pools: [{name: a, replicas: -2}]}", "/config/pools/0/replicas", "minimum"),
     ("config: {pools: [{name: a, engine_metrics: {min_coverage: 2}}]}",
      "/config/pools/0/engine_metrics/min_coverage", "maximum"),
@@ -170,6 +170,7 @@ BAD_VALUES = [
     ("redis: {mode: cluster}", "/redis/mode", "'none', 'bundled', 'external'"),
     ("autoscaling: {mode: vpa}", "/autoscaling/mode", "'none', 'keda', 'hpa'"),
     ("extproc: {transport: pipe}", "/extproc/transport", "'tcp', 'unix'"),
+    ("allowPerPodLedger: yes-please", "/allowPerPodLedger", "want boolean"),
     ("backend: {host: ''}", "/backend/host", "minLength"),
     ("tokenizer: {source: s3}", "/tokenizer/source", "'none', 'pvc'"),
 ]
@@ -192,6 +193,10 @@ BAD_COMBINATIONS = [
      " config: {pools: [{name: a, tokenizer: /elsewhere/t.json}]}}",
      "config.pools[0].tokenizer: must be a file under tokenizer.mountPath"),
     ("tokenizer: {source: pvc}", "tokenizer.pvc.claimName: required"),
+    ("config: {pools: [{name: a}, {replicas: 2}]}",
+     "config.pools[1].name: required (only pools[0] may leave it out"),
+    ("replicaCount: 2",
+     "replicaCount: must be 1 with the in-process ledger (redis.mode none)"),
     ("config: {listen: '0.0.0.0:1'}", "config.listen: set by the chart"),
     ("config: {ledger: {url: 'redis://x:6379'}}", "config.ledger.url: the chart sets"),
     ("redis: {mode: external}", "redis.external.url: required"),
@@ -220,6 +225,82 @@ def test_template_refuses_inconsistent_values(values: str, message: str,
     path.write_text(values + "\n")
     error = helm_tool.template_error(values=(path,))
     assert message in error, error
+
+
+# --- gateway replicas and the ledger they share --------------------------------------------
+
+def _replicas(docs: tuple[dict[str, Any], ...]) -> int:
+    replicas: int = find(docs, "Deployment", "gw-extproc")["spec"]["replicas"]
+    return replicas
+
+
+def test_default_values_run_one_gateway_replica_with_the_in_process_ledger() -> None:
+    """Each pod's in-process ledger sees the whole fleet's capacity: one pod is exact."""
+    docs = rendered("default")
+    cfg = yaml.safe_load(find(docs, "ConfigMap", "gw-extproc")["data"]["config.yaml"])
+    assert "kind" not in cfg["ledger"]
+    assert _replicas(docs) == 1
+
+
+def test_more_gateway_replicas_with_the_in_process_ledger_name_the_keys_to_set() -> None:
+    error = helm_tool.template_error(sets=("replicaCount=3",))
+    assert "(got 3)" in error and "3x" in error, error
+    for key in ("redis.mode bundled", "redis.external.url", "allowPerPodLedger"):
+        assert key in error, (key, error)
+
+
+@pytest.mark.parametrize("ledger", [
+    ("redis.mode=bundled",),
+    ("redis.mode=external", "redis.external.url=redis://redis.cache:6379/0"),
+], ids=["bundled", "external"])
+def test_any_gateway_replica_count_renders_with_the_redis_ledger(ledger: tuple[str, ...]) -> None:
+    docs = tuple(helm_tool.template(sets=("replicaCount=5", *ledger)))
+    cfg = yaml.safe_load(find(docs, "ConfigMap", "gw-extproc")["data"]["config.yaml"])
+    assert cfg["ledger"]["kind"] == "redis"
+    assert _replicas(docs) == 5
+
+
+def test_per_pod_ledgers_render_only_when_asked_for_and_the_notes_warn() -> None:
+    sets = ("--set", "replicaCount=2", "--set", "allowPerPodLedger=true")
+    done = helm_tool.helm("install", "gw", str(CHART), "--dry-run=client", "-n", "llm", *sets)
+    manifest, notes = done.stdout.split("NOTES:", 1)
+    docs = tuple(d for d in yaml.safe_load_all(manifest.split("MANIFEST:", 1)[1]) if d)
+    assert _replicas(docs) == 2
+    assert "over-admitted 2x" in notes and "allowPerPodLedger" in notes
+
+
+# --- config.pools: Helm replaces a list wholesale ------------------------------------------
+
+def _pools(*sets: str, values: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
+    docs = tuple(helm_tool.template(values=values, sets=sets))
+    pools: list[dict[str, Any]] = yaml.safe_load(
+        find(docs, "ConfigMap", "gw-extproc")["data"]["config.yaml"])["pools"]
+    return pools
+
+
+def test_setting_one_key_of_pools_0_keeps_the_default_pool() -> None:
+    pools = _pools("config.pools[0].replicas=3")
+    assert pools == [{"name": "default", "models": ["*"], "replicas": 3}]
+    assert config_mod.from_mapping({"pools": pools}).pools[0].replicas == 3  # the sidecar's view
+    [pool] = _pools("config.pools[0].engine.max_num_seqs=256", "autoscaling.mode=keda",
+                    "autoscaling.target.name=vllm")  # autoscaling.pool's default finds it
+    assert pool == {"name": "default", "models": ["*"], "engine": {"max_num_seqs": 256}}
+
+
+def test_the_default_pool_shows_only_what_extproc_assumes_for_a_bare_pool() -> None:
+    """A nameless pools[0] gets the default pool's name and models; every other key it leaves
+    out takes extproc's own default, so it must be what values.yaml shows for the default pool
+    (an override by --set loses nothing)."""
+    [shown] = yaml.safe_load((CHART / "values.yaml").read_text())["config"]["pools"]
+    bare = {"name": "default", "models": ["*"]}
+    assert config_mod.from_mapping({"pools": [shown]}).pools == config_mod.from_mapping(
+        {"pools": [bare]}).pools
+
+
+def test_a_full_pools_list_in_a_values_file_renders_as_written() -> None:
+    path = CHART / "ci" / "all-on-values.yaml"
+    written = yaml.safe_load(path.read_text())["config"]["pools"]
+    assert _pools("replicaCount=1", values=(path,)) == written
 
 
 _CHART_OWNED = {"listen", "metrics_listen", "tracing", "keda_listen"}

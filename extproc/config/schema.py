@@ -78,7 +78,8 @@ def _plain(node: Any, defs: dict[str, Any]) -> Any:
 
 def chart_schema() -> dict[str, Any]:
     """The ``config`` section of the chart's values: the file's schema less what the chart
-    sets, with ``pools`` required (the chart names its pool for autoscaling.pool)."""
+    sets, with ``pools`` required (the chart names its pool for autoscaling.pool) and a
+    pool's ``name`` left to the template (a nameless pools[0] is the chart's default pool)."""
     out = schema()
     for path, note in CHART_SETS.items():
         parent = out
@@ -91,6 +92,17 @@ def chart_schema() -> dict[str, Any]:
     out["properties"]["ledger"]["description"] = (
         "Tuning of the ledger; its connection (kind, url, username, password*) comes from"
         " redis.*.")
+    # Helm replaces a list wholesale (`--set config.pools[0].replicas=3` leaves {replicas: 3}):
+    # the template reads a nameless pools[0] as the chart's default pool and refuses a nameless
+    # later entry, so the values schema leaves the name to it.
+    pool = out["properties"]["pools"]["items"]
+    pool["required"] = [key for key in pool["required"] if key != "name"]
+    if not pool["required"]:
+        del pool["required"]
+    pool["properties"]["name"] = {
+        **pool["properties"]["name"],
+        "description": pool["properties"]["name"]["description"] + " In the chart: absent in"
+        " pools[0] only, which is then the default pool (name default, models [\"*\"])."}
     return {"description": "extproc's configuration (extproc/config/)", **out,
             "required": ["pools"]}
 

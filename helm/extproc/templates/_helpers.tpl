@@ -87,6 +87,19 @@ pins the image whatever the tag says. Call with (dict "image" ... "default" ... 
 {{- end -}}
 {{- end -}}
 
+{{/*
+Gateway replicas. The in-process ledger (redis.mode none) counts one pod's requests against the
+whole fleet's capacity, so N pods admit N times it: more than one needs the shared Redis ledger,
+or allowPerPodLedger (the operator's word that each pod's pools describe its own share).
+*/}}
+{{- define "extproc.replicas" -}}
+{{- $n := int .Values.replicaCount -}}
+{{- if and (gt $n 1) (eq .Values.redis.mode "none") (not .Values.allowPerPodLedger) -}}
+{{- fail (printf "replicaCount: must be 1 with the in-process ledger (redis.mode none): each gateway pod would admit the whole fleet's capacity by itself (%d pods: %dx over-admitted). Share one ledger with redis.mode bundled (or redis.mode external and redis.external.url), or set allowPerPodLedger true if each pod's config.pools describe its own share (got %d)" $n $n $n) -}}
+{{- end -}}
+{{- $n -}}
+{{- end -}}
+
 {{- define "extproc.redisName" -}}{{ include "extproc.fullname" . }}-redis{{- end -}}
 {{- define "extproc.jaegerName" -}}{{ include "extproc.fullname" . }}-jaeger{{- end -}}
 {{- define "extproc.scalerName" -}}{{ include "extproc.fullname" . }}-scaler{{- end -}}
@@ -172,8 +185,21 @@ JSON Schema cannot express (cross-field rules) fails here with the field's name.
 {{- if and (eq .Values.autoscaling.mode "keda") .Values.autoscaling.keda.writeListenKey -}}
 {{- $_ := set $cfg "keda_listen" (printf "0.0.0.0:%d" (int .Values.autoscaling.keda.scalerPort)) -}}
 {{- end -}}
+{{- /* Helm replaces a list wholesale: `--set config.pools[0].replicas=3` leaves {replicas: 3}.
+A nameless pools[0] is the chart's default pool: its name and models are filled in; the rest of
+that pool in values.yaml is extproc's own defaults (tests/test_helm.py holds them equal). A
+nameless later entry is refused rather than guessed at. */ -}}
+{{- $pools := list -}}
 {{- $names := list -}}
-{{- range $i, $pool := ($cfg.pools | default list) -}}
+{{- range $i, $given := ($cfg.pools | default list) -}}
+{{- $pool := $given -}}
+{{- if not (hasKey $given "name") -}}
+{{- if $i -}}
+{{- fail (printf "config.pools[%d].name: required (only pools[0] may leave it out: it is then the chart's default pool, name default, models [\"*\"])" $i) -}}
+{{- end -}}
+{{- $pool = merge (deepCopy $given) (dict "name" "default" "models" (list "*")) -}}
+{{- end -}}
+{{- $pools = append $pools $pool -}}
 {{- $names = append $names $pool.name -}}
 {{- with $pool.tokenizer -}}
 {{- if eq $.Values.tokenizer.source "none" -}}
@@ -184,6 +210,7 @@ JSON Schema cannot express (cross-field rules) fails here with the field's name.
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- if hasKey $cfg "pools" -}}{{- $_ := set $cfg "pools" $pools -}}{{- end -}}
 {{- if and (ne .Values.autoscaling.mode "none") (not (has .Values.autoscaling.pool $names)) -}}
 {{- fail (printf "autoscaling.pool: must name one of config.pools (%s) (got %s)" (join ", " $names) .Values.autoscaling.pool) -}}
 {{- end -}}
