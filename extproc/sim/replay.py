@@ -92,7 +92,8 @@ def run(*, trace: str | None = None, fmt: str | None = None, scenario: str | Non
         try:
             report.plot(sc, results, folder / f"{sc.name}.png")
         except ImportError:
-            stream.write("no plot: matplotlib is not installed (pip install 'envoy-llm-admission[sim]')\n")
+            stream.write("no plot: matplotlib is not installed"
+                         " (pip install 'envoy-llm-admission[sim]')\n")
         else:
             stream.write(f"wrote {folder / (sc.name + '.png')}\n")
     return 0
