@@ -179,7 +179,9 @@ def _hcm_and_ext_proc(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 def test_metadata_source_forwards_only_its_namespace_and_drops_underscore_headers() -> None:
     c = config.from_mapping({"tenant": {"source": "metadata", "metadata_namespace": "ns.x"}})
     hcm, ext = _hcm_and_ext_proc(envoyconf.bootstrap(c, envoyconf.Topology()))
-    assert ext["metadata_options"] == {"forwarding_namespaces": {"untyped": ["ns.x"]}}
+    # forwarded: the tenant's namespace alone; received back: only the verdict's (access log)
+    assert ext["metadata_options"] == {"forwarding_namespaces": {"untyped": ["ns.x"]},
+                                       "receiving_namespaces": {"untyped": ["extproc"]}}
     assert hcm["common_http_protocol_options"] == {
         "headers_with_underscores_action": "DROP_HEADER"}
     assert "early_header_mutation_extensions" not in hcm
@@ -188,7 +190,7 @@ def test_metadata_source_forwards_only_its_namespace_and_drops_underscore_header
 def test_header_source_removes_every_client_copy_before_any_filter() -> None:
     c = config.from_mapping({"tenant": {"source": "header", "header": "x-org"}})
     hcm, ext = _hcm_and_ext_proc(envoyconf.bootstrap(c, envoyconf.Topology()))
-    assert "metadata_options" not in ext
+    assert "forwarding_namespaces" not in ext["metadata_options"]
     [early] = hcm["early_header_mutation_extensions"]
     assert early["typed_config"]["mutations"] == [{"remove": "x-org"}]
     assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == "DROP_HEADER"
@@ -209,7 +211,8 @@ def test_the_priority_header_is_removed_from_clients_like_the_tenant_header() ->
 def test_without_tenant_attribution_none_of_it_is_rendered() -> None:
     hcm, ext = _hcm_and_ext_proc(envoyconf.bootstrap(config.from_mapping({}),
                                                      envoyconf.Topology()))
-    assert "metadata_options" not in ext and "common_http_protocol_options" not in hcm
+    assert "forwarding_namespaces" not in ext["metadata_options"]
+    assert "common_http_protocol_options" not in hcm
 
 
 def jwks() -> str:
