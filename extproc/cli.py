@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
+import importlib.metadata
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -166,6 +168,17 @@ def _count(value: str) -> int:
     return int(value)
 
 
+def _positive(value: str) -> float:
+    """A finite number > 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (got {value!r})")
+    return number
+
+
 def _host_port(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host:
@@ -182,9 +195,11 @@ def _log_level(value: str) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="extproc", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--log-level", type=_log_level, default="INFO",
                    help=f"one of {', '.join(LOG_LEVELS)}")
     sub = p.add_subparsers(dest="command", required=True)
+    shown = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}  # defaults in --help
 
     s = sub.add_parser("serve", help="run the ext_proc admission server")
     s.add_argument("--config", help="YAML configuration file (defaults apply without one)")
@@ -194,38 +209,47 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     s.set_defaults(func=_serve)
 
-    f = sub.add_parser("fake-backend", help="run a fake OpenAI-compatible inference server")
-    f.add_argument("--host", default="127.0.0.1")
-    f.add_argument("--port", type=_port, default=8000)
-    f.add_argument("--replicas", type=_count, default=1)
+    f = sub.add_parser("fake-backend", help="run a fake OpenAI-compatible inference server",
+                       **shown)
+    f.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    f.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    f.add_argument("--replicas", type=_count, default=1,
+                   help="engines behind the one port (a request joins the least busy)")
     f.add_argument("--preset", choices=sorted(PRESETS), default="llama-70b-fp8-2xh100",
                    help="the engine model the flags below change (extproc.engine)")
     for field in dataclasses.fields(EngineModel):
         flag = "--" + field.name.replace("_", "-")
+        preset = getattr(PRESETS["llama-70b-fp8-2xh100"], field.name)
+        what = f"engine model: {field.name} (the preset's unless given; default preset: {preset})"
         if field.name == "prefix_caching":
-            f.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            f.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=what)
             continue
         names = [flag, "--max-running"] if field.name == "max_num_seqs" else [flag]
-        f.add_argument(*names, dest=field.name, default=None,
+        f.add_argument(*names, dest=field.name, default=None, help=what,
                        type=float if isinstance(getattr(EngineModel, field.name), float)
                        else int)
     f.add_argument("--kv-cache-tokens", type=int,
                    help="the KV cache in tokens (sets --num-gpu-blocks)")
     f.add_argument("--time-scale", type=float, default=1.0,
                    help="stretch every step by this factor (0.1: ten times faster)")
-    f.add_argument("--model", default="fake-llm")
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--model", default="fake-llm", help="the model name it serves and reports")
+    f.add_argument("--seed", type=int, default=0, help="seed of the drawn output lengths")
     f.set_defaults(func=_fake_backend)
 
-    e = sub.add_parser("envoy-config", help="render the Envoy bootstrap for these settings")
-    e.add_argument("--config")
-    e.add_argument("--port", type=_port, default=10000)
+    e = sub.add_parser("envoy-config", help="render the Envoy bootstrap for these settings",
+                       **shown)
+    e.add_argument("--config", help="the sidecar's YAML configuration (defaults without one)")
+    e.add_argument("--port", type=_port, default=10000, help="where Envoy listens for clients")
     e.add_argument("--listen-address", default="127.0.0.1",
                    help="where Envoy listens for clients (0.0.0.0 in a pod)")
-    e.add_argument("--admin-port", type=_port, default=9901)
+    e.add_argument("--admin-port", type=_port, default=9901,
+                   help="Envoy's admin endpoint (on 127.0.0.1)")
     e.add_argument("--backend", action="append", type=_host_port,
-                   help="HOST:PORT of an inference replica")
-    e.add_argument("--fail-closed", action="store_true")
+                   help="HOST:PORT of an inference replica, repeated for each (default:"
+                        " 127.0.0.1:8000)")
+    e.add_argument("--fail-closed", action="store_true",
+                   help="answer --status-on-error while the processor is unreachable (default:"
+                        " fail open, requests pass unadmitted)")
     e.add_argument("--status-on-error", type=_error_status, default=503, metavar="CODE",
                    help="what a fail-closed Envoy answers while the processor is unreachable")
     e.add_argument("--workers", type=_count, default=1,
@@ -233,12 +257,12 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--two-trips", action="store_true",
                    help="send every request's headers, then its body (default: one gRPC trip"
                         " for a request whose headers condemn nothing; docs/performance.md)")
-    e.add_argument("--output", "-o")
+    e.add_argument("--output", "-o", help="file to write (default: standard output)")
     e.set_defaults(func=_envoy_config)
 
     d = sub.add_parser("demo", help="run the local stack and compare shadow vs enforcing")
-    d.add_argument("--duration", type=float, default=40.0, help="seconds of burst per run")
-    d.add_argument("--overload", type=float, default=3.0, help="offered load / capacity")
+    d.add_argument("--duration", type=_positive, default=40.0, help="seconds of burst per run")
+    d.add_argument("--overload", type=_positive, default=3.0, help="offered load / capacity")
     d.add_argument("--workdir", default=".demo")
     d.set_defaults(func=_demo)
 
@@ -250,15 +274,17 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--format", choices=["azure", "jsonl", "decisions"],
                    help="the trace's format (sniffed from its first line by default)")
     rate = r.add_mutually_exclusive_group()
-    rate.add_argument("--scale", type=float, help="offered load as a multiple of fleet capacity")
-    rate.add_argument("--rate-x", type=float, help="replay at this multiple of the trace's rate")
+    rate.add_argument("--scale", type=_positive,
+                      help="offered load as a multiple of fleet capacity")
+    rate.add_argument("--rate-x", type=_positive,
+                      help="replay at this multiple of the trace's rate")
     r.add_argument("--policies", default="none,naive,article,default,oracle",
                    help="comma-separated: none, naive, article, default, oracle")
     r.add_argument("--config", help="the gateway's YAML config: its first pool is the fleet")
-    r.add_argument("--replicas", type=int, help="fleet size (overrides the config's)")
-    r.add_argument("--max-tokens", type=int, help="max_tokens sent with Azure trace rows")
-    r.add_argument("--timeout", type=float, default=60.0, help="client timeout, seconds")
-    r.add_argument("--fleet-scale", type=float, default=1.0,
+    r.add_argument("--replicas", type=_count, help="fleet size (overrides the config's)")
+    r.add_argument("--max-tokens", type=_count, help="max_tokens sent with Azure trace rows")
+    r.add_argument("--timeout", type=_positive, default=60.0, help="client timeout, seconds")
+    r.add_argument("--fleet-scale", type=_positive, default=1.0,
                    help="shrink a built-in scenario's fleet and traffic together")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", help="folder for the JSON summary and the PNG plot")
@@ -272,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--autoscale", action="store_true",
                    help="the autoscaling section instead: recommender vs hpa vs keda")
     v.add_argument("--jobs", type=int, default=0, help="worker processes (0: one per core)")
-    v.add_argument("--seeds", type=int, default=1, help="seeds per family, load and fleet")
+    v.add_argument("--seeds", type=_count, default=1, help="seeds per family, load and fleet")
     v.add_argument("--out", default="out/eval", help="folder for matrix.json/.txt/.png")
     v.add_argument("--families", help="comma-separated (default: all with their data)")
     v.add_argument("--fleets", help="comma-separated: 70b-16, 70b-vllm, 8b-vllm")
@@ -284,8 +310,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("envoy-llm-admission")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    trace = getattr(args, "trace", None)
+    if trace and not os.path.isfile(trace):
+        p.error(f"--trace: no such file: {trace}")  # exit 2, with the usage line
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -91,12 +91,12 @@ class EngineModel:
 
     def __post_init__(self) -> None:
         errors = []
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
-            if getattr(self, name) < 1:
-                errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        counts = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "prefix_caching" and (not math.isfinite(value) or value < 0):
+            if f.name in counts and value < 1:  # one line per field: its tightest bound
+                errors.append(f"{f.name} must be >= 1, got {value}")
+            elif f.name != "prefix_caching" and (not math.isfinite(value) or value < 0):
                 errors.append(f"{f.name} must be >= 0, got {value}")
         if errors:
             raise ValueError("; ".join(errors))

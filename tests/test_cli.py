@@ -62,6 +62,13 @@ def test_serve_reports_health_and_exits_cleanly_on_sigterm(tmp_path: Path) -> No
     (["fake-backend", "--max-num-seqs", "0"], "fake-backend:"),
     (["serve", "--workers", "zero"], "must be a whole number >= 1"),
     (["--log-level", "loud", "serve"], "not a log level: 'loud'"),
+    (["demo", "--overload", "0"], "--overload: must be a number > 0 (got '0')"),
+    (["demo", "--duration", "-5"], "--duration: must be a number > 0 (got '-5')"),
+    (["replay", "--scenario", "incident", "--timeout", "0"], "--timeout: must be a number > 0"),
+    (["replay", "--scenario", "incident", "--fleet-scale", "-1"], "--fleet-scale: must be"),
+    (["replay", "--scenario", "incident", "--replicas", "0"], "--replicas: must be a whole"),
+    (["replay", "--trace", "/no/such.csv"], "--trace: no such file: /no/such.csv"),
+    (["eval", "--seeds", "0"], "--seeds: must be a whole number >= 1"),
 ])
 def test_bad_arguments_are_one_clear_line_never_a_traceback(args: list[str],
                                                             message: str) -> None:
@@ -71,6 +78,32 @@ def test_bad_arguments_are_one_clear_line_never_a_traceback(args: list[str],
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""  # nothing half-written, no config with a bad port in it
+
+
+def test_an_engine_flag_out_of_bounds_is_one_message() -> None:
+    """Not two that contradict each other (>= 1 and >= 0 for the same value)."""
+    result = subprocess.run([sys.executable, "-m", "extproc", "fake-backend", "--max-num-seqs",
+                             "-1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("max_num_seqs") == 1, result.stderr
+    assert "max_num_seqs must be >= 1, got -1" in result.stderr
+
+
+def test_version_and_every_flag_has_help_with_its_default() -> None:
+    from importlib.metadata import version
+
+    result = subprocess.run([sys.executable, "-m", "extproc", "--version"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.split() == [
+        "extproc", version("envoy-llm-admission")]
+    from extproc.cli import parser
+
+    commands = parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name in ("envoy-config", "fake-backend"):
+        for action in commands[name]._actions:
+            assert action.help, (name, action.option_strings)
+        text = commands[name].format_help()
+        assert "(default: 10000)" in text if name == "envoy-config" else "(default: 8000)" in text
 
 
 def test_envoy_config_takes_good_backends_and_log_levels_in_any_case() -> None:
