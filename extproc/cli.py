@@ -199,7 +199,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", type=_log_level, default="INFO",
                    help=f"one of {', '.join(LOG_LEVELS)}")
     sub = p.add_subparsers(dest="command", required=True)
-    shown = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}  # defaults in --help
+    shown = argparse.ArgumentDefaultsHelpFormatter  # defaults in --help
 
     s = sub.add_parser("serve", help="run the ext_proc admission server")
     s.add_argument("--config", help="YAML configuration file (defaults apply without one)")
@@ -210,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     f = sub.add_parser("fake-backend", help="run a fake OpenAI-compatible inference server",
-                       **shown)
+                       formatter_class=shown)
     f.add_argument("--host", default="127.0.0.1", help="address to listen on")
     f.add_argument("--port", type=_port, default=8000, help="port to listen on")
     f.add_argument("--replicas", type=_count, default=1,
@@ -237,7 +237,7 @@ def parser() -> argparse.ArgumentParser:
     f.set_defaults(func=_fake_backend)
 
     e = sub.add_parser("envoy-config", help="render the Envoy bootstrap for these settings",
-                       **shown)
+                       formatter_class=shown)
     e.add_argument("--config", help="the sidecar's YAML configuration (defaults without one)")
     e.add_argument("--port", type=_port, default=10000, help="where Envoy listens for clients")
     e.add_argument("--listen-address", default="127.0.0.1",
