@@ -27,6 +27,15 @@ Choices made here, each matching what the server expects:
   where Envoy's own default, 500, says the request broke something).
 - Circuit breakers: Envoy's default of 1,024 concurrent requests per cluster would cap long
   LLM streams (one ext_proc gRPC stream per HTTP request): both clusters get 100,000.
+- Path normalization: RFC 3986 (dot segments, escaped unreserved characters), merged
+  slashes, and ``%2F``/``%5C`` unescaped and forwarded, so a route, ext_proc and the backend
+  all see ``/v1/chat/completions`` for ``/v1/chat%2Fcompletions``, ``/%761/chat/completions``
+  or ``//v1/chat/completions`` (a backend that routes on the decoded path, as vLLM's does,
+  would otherwise serve them unjudged). Unescaping rather than rejecting keeps such a request
+  an ordinary one, decided like any other; the sidecar matches routes on the decoded path
+  as well (``config.canonical_path``), for an Envoy configured otherwise.
+- Access log (``Topology.access_log``, on by default): ``ACCESS_LOG``, one JSON object per
+  request on Envoy's stdout, with the verdict the sidecar sends back as dynamic metadata.
 - No route timeout: generations can run for many minutes; clients own their deadlines.
 - ``request_timeout`` (``Topology.request_timeout_s``, 30 s): the time a client has to send
   the whole request, headers and body. It stops once the request is in, so it never cuts a
@@ -404,7 +413,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
         request_timeout=_s(topo.request_timeout_s),
         # the path every filter, the route and the backend see is the canonical one, so a
         # path spelled otherwise (%2F, %76, dot segments, //) cannot route past admission
-        # (PATH_NORMALIZATION)
+        # (module docstring: path normalization)
         normalize_path=True,
         merge_slashes=True,
         path_with_escaped_slashes_action=(
