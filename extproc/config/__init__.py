@@ -231,7 +231,6 @@ DEFAULT_ROUTES: list[dict[str, Any]] = [
 Classes = Annotated[Mapping[str, ClassPolicy], BeforeValidator(_with_default_classes)]
 
 
-
 def canonical_path(path: str) -> str:
     """The path as the most lenient backend routes it: query string dropped, percent-escapes
     decoded until none is left (``%2F`` and ``%252F`` included), backslashes read as slashes,
