@@ -6,12 +6,15 @@ under a second, so every 429 sits at the ``min_s`` floor of 1 s: the case where 
 sent every client back at the same instant. The official SDK (``stream=True``) follows
 ``retry-after-ms``; each attempt's send time is recorded through httpx's event hooks.
 
-The spread is judged on each call's own delay (its retry's send time minus the time its 429
-arrived), which the arrival order and a loaded machine cannot narrow: with whole-second
-Retry-After every delay is 1.0 s plus event-loop lag, one or two 100 ms bins; with ``retry-after-
-ms`` and jitter 0.5 they fall over [1.0, 1.5] s, five bins of about a fifth each. The criterion,
-the two fullest 100 ms bins hold at most two thirds of the first wave's retries, fails on the
-first and passes on the second with room to spare.
+The spread is judged on the delay each first-wave 429 told its client (``retry-after-ms``):
+with whole-second Retry-After every delay is 1.0 s, one 100 ms bin; with ``retry-after-ms`` and
+jitter 0.5 they fall over [1.0, 1.5] s, five bins of about a fifth each. The criterion, the two
+fullest 100 ms bins hold at most two thirds of the first wave's retries, fails on the first and
+passes on the second with room to spare. That each client followed its own delay is checked on
+the wire: its retry's send time minus the time its 429 arrived is at least the delay it was
+told. The observed delays are not binned: on a loaded machine one stall of the test's event
+loop wakes many sleeping clients together (a clean-clone CI run saw 34 of 56 retries sent
+~1.73 s after their 429, delays of 1.0-1.5 s told), which says nothing of the gateway.
 """
 
 from __future__ import annotations
@@ -65,10 +68,13 @@ class Round:
 
         return {"request": [on_request], "response": [on_response]}
 
-    def first_wave_delays(self) -> list[float]:
-        """Seconds from each first-attempt 429 to that call's retry."""
-        return [a[1].sent - a[0].answered for a in self.attempts.values()
-                if a[0].status == 429 and a[0].answered is not None and len(a) > 1]
+    def first_wave(self) -> list[tuple[float, float]]:
+        """For each first-attempt 429 that was retried: the delay it told (``retry-after-ms``,
+        seconds) and the seconds from its arrival to that call's retry."""
+        return [(int(a[0].retry_after_ms) / 1000.0, a[1].sent - a[0].answered)
+                for a in self.attempts.values()
+                if a[0].status == 429 and a[0].answered is not None and len(a) > 1
+                and a[0].retry_after_ms is not None]
 
 
 def _call(request: httpx.Request) -> int:
@@ -122,7 +128,8 @@ async def test_rejected_streams_retry_spread_over_the_jitter(stack_factory: Any)
         per_call = Counter(len(a) for a in r.attempts.values())
         print(f"\n{name}: {r.succeeded}/{CALLS} succeeded, {r.rate_limited} gave up on 429;"
               f" attempts per call {dict(sorted(per_call.items()))}")
-    delays = default.first_wave_delays()
+    wave = default.first_wave()
+    delays = [told for told, _ in wave]
     bins = _bins(delays)
     top_two = sum(n for _, n in bins.most_common(2))
     print(f"first wave: {len(delays)} retries, delay {min(delays):.3f}..{max(delays):.3f} s,"
@@ -145,5 +152,7 @@ async def test_rejected_streams_retry_spread_over_the_jitter(stack_factory: Any)
                     assert int(a.retry_after) == math.ceil(int(a.retry_after_ms) / 1000)
     assert patient.succeeded >= default.succeeded
     assert len(delays) >= 20, "too few first-attempt rejections to judge the spread"
-    assert min(delays) >= 0.9  # the SDK waited at least the 1 s floor
+    assert min(delays) >= 1.0  # the 1 s floor
+    # each client waited what it was told (to the event loop's millisecond)
+    assert all(waited >= told - 0.005 for told, waited in wave), wave
     assert top_two <= len(delays) * 2 / 3, f"retries herd: {sorted(bins.items())}"
