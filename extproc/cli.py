@@ -8,9 +8,10 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
-import os
+import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 from extproc import config as config_mod
@@ -18,6 +19,26 @@ from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DISTRIBUTION = "envoy-llm-admission"  # the package's name on an index (pyproject.toml says why)
+DEFAULT_PRESET = "llama-70b-fp8-2xh100"
+
+# fake-backend's flag for each EngineModel field (docstring of extproc.engine): its help, and
+# the fields whose bound is >= 1 (the others are >= 0). EngineModel checks the same bounds;
+# checking them at the flag as well names the flag in one usage line.
+ENGINE_HELP = {
+    "max_num_seqs": "most sequences running at once",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks and decodes)",
+    "block_size": "tokens per KV cache block",
+    "num_gpu_blocks": "KV cache blocks per replica (0: unlimited)",
+    "max_model_len": "longest prompt plus output a request may have, in tokens",
+    "prefix_caching": "keep shared prompt prefixes in the KV cache",
+    "step_base_ms": "step time: ms of every forward pass (the weights read once)",
+    "ms_per_token": "step time: ms per token scheduled",
+    "ms_per_seq": "step time: ms per decoding sequence",
+    "ms_per_kv_token": "step time: ms per context token the decodes read",
+    "ms_per_prefill_pair": "step time: ms per query-key pair of prefill attention",
+}
+ENGINE_COUNTS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len")
 
 
 def _dev_tool(name: str) -> ModuleType:
@@ -70,8 +91,6 @@ def _fake_backend(args: argparse.Namespace) -> int:
                                                                         base.block_size))
     try:
         engine = dataclasses.replace(base, **values)
-        if args.time_scale < 0:
-            raise ValueError(f"--time-scale must be >= 0 (got {args.time_scale})")
     except ValueError as exc:
         raise ConfigError([f"fake-backend: {exc}"]) from exc
     with contextlib.suppress(KeyboardInterrupt):
@@ -133,11 +152,10 @@ def _eval(args: argparse.Namespace) -> int:
         return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
     try:
-        loads = [float(x) for x in names(args.loads) or []] or None
         return evaluate.main(
             reduced=args.reduced, scale=args.autoscale, workers=args.jobs, seeds=args.seeds,
             out=args.out, family_names=names(args.families), fleets=names(args.fleets),
-            loads=loads, policies=names(args.policies) or evaluate.POLICIES,
+            loads=args.loads, policies=names(args.policies) or evaluate.POLICIES,
             progress=not args.quiet)
     except ValueError as exc:
         raise ConfigError([f"eval: {exc}"]) from exc
@@ -168,15 +186,57 @@ def _count(value: str) -> int:
     return int(value)
 
 
-def _positive(value: str) -> float:
-    """A finite number > 0."""
+def _whole(value: str) -> int:
+    """A whole number >= 0."""
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (got {value!r})")
+    return int(value)
+
+
+def _number(value: str, bound: str) -> float:
+    """A finite number, or a usage error naming ``bound`` (its flag is named by argparse)."""
     try:
         number = float(value)
     except ValueError:
-        number = float("nan")
-    if not 0 < number < float("inf"):
+        number = math.nan
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"must be a number {bound} (got {value!r})")
+    return number
+
+
+def _positive(value: str) -> float:
+    """A finite number > 0: a duration, a rate, a multiple of something."""
+    number = _number(value, "> 0")
+    if number <= 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0 (got {value!r})")
     return number
+
+
+def _non_negative(value: str) -> float:
+    """A finite number >= 0."""
+    number = _number(value, ">= 0")
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {value!r})")
+    return number
+
+
+def _loads(value: str) -> list[float]:
+    """Comma-separated multiples of capacity, each > 0."""
+    try:
+        return [_positive(x.strip()) for x in value.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"each load {exc}") from exc
+
+
+def _input_file(value: str) -> str:
+    """A file to read, checked here so that a missing one is named as missing, at its flag,
+    rather than as invalid configuration later. Only existence: a pipe (``<(...)``) passes."""
+    path = Path(value)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file: {value!r}")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"a directory, not a file: {value!r}")
+    return value
 
 
 def _host_port(value: str) -> tuple[str, int]:
@@ -193,63 +253,95 @@ def _log_level(value: str) -> str:
     return value.upper()
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown (not installed)"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's default after its help, as ``ArgumentDefaultsHelpFormatter`` does, but
+    not the defaults that say nothing: ``None`` (not given) and a switch's ``False``.
+    ``_get_help_string`` is the hook that class overrides (argparse documents only the
+    classes' names as public)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        says_nothing = action.default is None or action.default is False  # 0 still shows
+        if ("%(default)" in text or not action.option_strings or says_nothing
+                or action.default == argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _preset_default(name: str) -> str:
+    """Where an engine flag's default comes from: each preset's value."""
+    return ", ".join(f"{getattr(model, name)} in {preset}"
+                     for preset, model in sorted(PRESETS.items()))
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="extproc", description=__doc__)
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p = argparse.ArgumentParser(prog="extproc", description=__doc__,
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                   help="print the installed version and exit")
     p.add_argument("--log-level", type=_log_level, default="INFO",
                    help=f"one of {', '.join(LOG_LEVELS)}")
     sub = p.add_subparsers(dest="command", required=True)
-    shown = argparse.ArgumentDefaultsHelpFormatter  # defaults in --help
 
-    s = sub.add_parser("serve", help="run the ext_proc admission server")
-    s.add_argument("--config", help="YAML configuration file (defaults apply without one)")
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+
+    s = command("serve", "run the ext_proc admission server")
+    s.add_argument("--config", type=_input_file,
+                   help="YAML configuration file (defaults apply without one)")
     s.add_argument("--workers", type=_count, default=1,
                    help="server processes, one endpoint each (ports listen+i; needs the redis"
                         " ledger): see extproc.workers")
     s.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     s.set_defaults(func=_serve)
 
-    f = sub.add_parser("fake-backend", help="run a fake OpenAI-compatible inference server",
-                       formatter_class=shown)
+    f = command("fake-backend", "run a fake OpenAI-compatible inference server")
     f.add_argument("--host", default="127.0.0.1", help="address to listen on")
     f.add_argument("--port", type=_port, default=8000, help="port to listen on")
     f.add_argument("--replicas", type=_count, default=1,
                    help="engines behind the one port (a request joins the least busy)")
-    f.add_argument("--preset", choices=sorted(PRESETS), default="llama-70b-fp8-2xh100",
+    f.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
                    help="the engine model the flags below change (extproc.engine)")
     for field in dataclasses.fields(EngineModel):
         flag = "--" + field.name.replace("_", "-")
-        preset = getattr(PRESETS["llama-70b-fp8-2xh100"], field.name)
-        what = f"engine model: {field.name} (the preset's unless given; default preset: {preset})"
+        what = ENGINE_HELP.get(field.name)  # a field without one fails tests/test_cli.py
+        text = what and f"{what} (default: {_preset_default(field.name)})"
         if field.name == "prefix_caching":
-            f.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=what)
+            f.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         names = [flag, "--max-running"] if field.name == "max_num_seqs" else [flag]
-        f.add_argument(*names, dest=field.name, default=None, help=what,
-                       type=float if isinstance(getattr(EngineModel, field.name), float)
-                       else int)
-    f.add_argument("--kv-cache-tokens", type=int,
-                   help="the KV cache in tokens (sets --num-gpu-blocks)")
-    f.add_argument("--time-scale", type=float, default=1.0,
+        kind = (_non_negative if isinstance(getattr(EngineModel, field.name), float)
+                else _count if field.name in ENGINE_COUNTS else _whole)
+        f.add_argument(*names, dest=field.name, default=None, type=kind, help=text)
+    f.add_argument("--kv-cache-tokens", type=_whole,
+                   help="the KV cache in tokens (sets --num-gpu-blocks; 0: unlimited)")
+    f.add_argument("--time-scale", type=_non_negative, default=1.0,
                    help="stretch every step by this factor (0.1: ten times faster)")
-    f.add_argument("--model", default="fake-llm", help="the model name it serves and reports")
-    f.add_argument("--seed", type=int, default=0, help="seed of the drawn output lengths")
+    f.add_argument("--model", default="fake-llm", help="the model name it serves and lists")
+    f.add_argument("--seed", type=int, default=0, help="seed of the output lengths it generates")
     f.set_defaults(func=_fake_backend)
 
-    e = sub.add_parser("envoy-config", help="render the Envoy bootstrap for these settings",
-                       formatter_class=shown)
-    e.add_argument("--config", help="the sidecar's YAML configuration (defaults without one)")
+    e = command("envoy-config", "render the Envoy bootstrap for these settings")
+    e.add_argument("--config", type=_input_file,
+                   help="the sidecar's YAML configuration, whose address and limits the"
+                        " bootstrap follows (defaults apply without one)")
     e.add_argument("--port", type=_port, default=10000, help="where Envoy listens for clients")
     e.add_argument("--listen-address", default="127.0.0.1",
                    help="where Envoy listens for clients (0.0.0.0 in a pod)")
-    e.add_argument("--admin-port", type=_port, default=9901,
-                   help="Envoy's admin endpoint (on 127.0.0.1)")
+    e.add_argument("--admin-port", type=_port, default=9901, help="Envoy's admin interface")
     e.add_argument("--backend", action="append", type=_host_port,
-                   help="HOST:PORT of an inference replica, repeated for each (default:"
+                   help="HOST:PORT of an inference replica; repeat for each (default:"
                         " 127.0.0.1:8000)")
     e.add_argument("--fail-closed", action="store_true",
-                   help="answer --status-on-error while the processor is unreachable (default:"
-                        " fail open, requests pass unadmitted)")
+                   help="refuse requests while the processor is unreachable (default: let"
+                        " them through)")
     e.add_argument("--status-on-error", type=_error_status, default=503, metavar="CODE",
                    help="what a fail-closed Envoy answers while the processor is unreachable")
     e.add_argument("--workers", type=_count, default=1,
@@ -260,16 +352,18 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--output", "-o", help="file to write (default: standard output)")
     e.set_defaults(func=_envoy_config)
 
-    d = sub.add_parser("demo", help="run the local stack and compare shadow vs enforcing")
+    d = command("demo", "run the local stack and compare shadow vs enforcing")
     d.add_argument("--duration", type=_positive, default=40.0, help="seconds of burst per run")
     d.add_argument("--overload", type=_positive, default=3.0, help="offered load / capacity")
-    d.add_argument("--workdir", default=".demo")
+    d.add_argument("--workdir", default=".demo",
+                   help="folder for the stack's configs, logs and the plot")
     d.set_defaults(func=_demo)
 
-    r = sub.add_parser("replay", help="replay a workload against the admission policies side"
-                       " by side (virtual time)")
+    r = command("replay", "replay a workload against the admission policies side by side"
+                " (virtual time)")
     src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="Azure trace CSV, JSONL jobs, or a decision log")
+    src.add_argument("--trace", type=_input_file,
+                     help="Azure trace CSV, JSONL jobs, or a decision log")
     src.add_argument("--scenario", help="built-in scenario: incident, bursty")
     r.add_argument("--format", choices=["azure", "jsonl", "decisions"],
                    help="the trace's format (sniffed from its first line by default)")
@@ -280,29 +374,31 @@ def parser() -> argparse.ArgumentParser:
                       help="replay at this multiple of the trace's rate")
     r.add_argument("--policies", default="none,naive,article,default,oracle",
                    help="comma-separated: none, naive, article, default, oracle")
-    r.add_argument("--config", help="the gateway's YAML config: its first pool is the fleet")
+    r.add_argument("--config", type=_input_file,
+                   help="the gateway's YAML config: its first pool is the fleet")
     r.add_argument("--replicas", type=_count, help="fleet size (overrides the config's)")
     r.add_argument("--max-tokens", type=_count, help="max_tokens sent with Azure trace rows")
     r.add_argument("--timeout", type=_positive, default=60.0, help="client timeout, seconds")
     r.add_argument("--fleet-scale", type=_positive, default=1.0,
                    help="shrink a built-in scenario's fleet and traffic together")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="seed of the workload and the fleet")
     r.add_argument("--out", help="folder for the JSON summary and the PNG plot")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=_replay)
 
-    v = sub.add_parser("eval", help="the evaluation matrix: workload families x loads x seeds"
-                       " x fleets, the default against its baselines (extproc.sim.evaluate)")
+    v = command("eval", "the evaluation matrix: workload families x loads x seeds x fleets,"
+                " the default against its baselines (extproc.sim.evaluate)")
     v.add_argument("--reduced", action="store_true",
                    help="every family once (one load, seed and fleet, shorter runs)")
     v.add_argument("--autoscale", action="store_true",
                    help="the autoscaling section instead: recommender vs hpa vs keda")
-    v.add_argument("--jobs", type=int, default=0, help="worker processes (0: one per core)")
+    v.add_argument("--jobs", type=_whole, default=0, help="worker processes (0: one per core)")
     v.add_argument("--seeds", type=_count, default=1, help="seeds per family, load and fleet")
     v.add_argument("--out", default="out/eval", help="folder for matrix.json/.txt/.png")
     v.add_argument("--families", help="comma-separated (default: all with their data)")
     v.add_argument("--fleets", help="comma-separated: 70b-16, 70b-vllm, 8b-vllm")
-    v.add_argument("--loads", help="comma-separated multiples of capacity (default 0.8,1.5,3)")
+    v.add_argument("--loads", type=_loads,
+                   help="comma-separated multiples of capacity (default 0.8,1.5,3)")
     v.add_argument("--policies", help="comma-separated (default naive,saturation,default,"
                    "oracle,tuned; none and limit-N on request)")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -310,25 +406,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("envoy-llm-admission")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "unknown"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    trace = getattr(args, "trace", None)
-    if trace and not os.path.isfile(trace):
-        p.error(f"--trace: no such file: {trace}")  # exit 2, with the usage line
+    args = parser().parse_args(argv)
     try:
         return int(args.func(args))
     except ConfigError as exc:
         print(f"extproc: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # aiohttp's listeners: a port in use, an address not this host's
+    except OSError as exc:
+        if exc.filename is not None:  # a file: envoy-config -o, replay --out, eval --out
+            print(f"extproc: {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return 1
+        # aiohttp's listeners: a port in use, an address not this host's
         print(f"extproc: cannot listen: {exc}", file=sys.stderr)
         return 1
     except RuntimeError as exc:

@@ -1,5 +1,7 @@
-"""The `extproc` command as a user runs it: real processes, real signals."""
+"""The `extproc` command as a user runs it: real processes and real signals (marked
+integration), and its arguments through ``main`` in-process (no process to start)."""
 
+import argparse
 import signal
 import socket
 import subprocess
@@ -11,11 +13,30 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc.cli import main, parser
 from extproc_dev.stack import free_port, wait_http
 
-pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
+# starts processes (Envoy, extproc, helm, an interpreter): the tests that do carry it
+integration = pytest.mark.integration
 
 
+def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``extproc ARGS`` in-process: its exit status (argparse exits, main returns), stdout and
+    stderr. An exception escaping main fails the test: that is the traceback a user would see."""
+    try:
+        status = main(args)
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+@integration
 def test_bad_config_exits_2_naming_every_bad_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("mode: loud\npools:\n  - name: p\n    engine: {max_num_seqs: 0}\n")
@@ -27,6 +48,7 @@ def test_bad_config_exits_2_naming_every_bad_key(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@integration
 def test_serve_reports_health_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
     grpc_port, metrics_port = free_port(), free_port()
     cfg = tmp_path / "ok.yaml"
@@ -58,54 +80,128 @@ def test_serve_reports_health_and_exits_cleanly_on_sigterm(tmp_path: Path) -> No
     (["envoy-config", "--workers", "0"], "must be a whole number >= 1"),
     (["fake-backend", "--replicas", "0"], "--replicas: must be a whole number >= 1 (got '0')"),
     (["fake-backend", "--port", "-1"], "not a TCP port"),
-    (["fake-backend", "--time-scale", "-1"], "--time-scale must be >= 0"),
-    (["fake-backend", "--max-num-seqs", "0"], "fake-backend:"),
     (["serve", "--workers", "zero"], "must be a whole number >= 1"),
     (["--log-level", "loud", "serve"], "not a log level: 'loud'"),
-    (["demo", "--overload", "0"], "--overload: must be a number > 0 (got '0')"),
-    (["demo", "--duration", "-5"], "--duration: must be a number > 0 (got '-5')"),
-    (["replay", "--scenario", "incident", "--timeout", "0"], "--timeout: must be a number > 0"),
-    (["replay", "--scenario", "incident", "--fleet-scale", "-1"], "--fleet-scale: must be"),
-    (["replay", "--scenario", "incident", "--replicas", "0"], "--replicas: must be a whole"),
-    (["replay", "--trace", "/no/such.csv"], "--trace: no such file: /no/such.csv"),
-    (["eval", "--seeds", "0"], "--seeds: must be a whole number >= 1"),
+    # issue 26: each of these ended in a traceback, or in a message that named no flag
+    (["demo", "--overload", "0"], "argument --overload: must be a number > 0 (got '0')"),
+    (["demo", "--duration", "-5"], "argument --duration: must be a number > 0 (got '-5')"),
+    (["demo", "--duration", "inf"], "argument --duration: must be a number > 0 (got 'inf')"),
+    (["fake-backend", "--max-num-seqs", "0"],
+     "argument --max-num-seqs/--max-running: must be a whole number >= 1 (got '0')"),
+    (["fake-backend", "--block-size", "0"], "argument --block-size: must be a whole number >= 1"),
+    (["fake-backend", "--num-gpu-blocks", "-1"],
+     "argument --num-gpu-blocks: must be a whole number >= 0 (got '-1')"),
+    (["fake-backend", "--ms-per-token", "-0.5"],
+     "argument --ms-per-token: must be a number >= 0 (got '-0.5')"),
+    (["fake-backend", "--kv-cache-tokens", "-1"],
+     "argument --kv-cache-tokens: must be a whole number >= 0 (got '-1')"),
+    (["fake-backend", "--time-scale", "-1"],
+     "argument --time-scale: must be a number >= 0 (got '-1')"),
+    (["replay", "--scenario", "incident", "--timeout", "0"],
+     "argument --timeout: must be a number > 0 (got '0')"),
+    (["replay", "--scenario", "incident", "--fleet-scale", "-1"],
+     "argument --fleet-scale: must be a number > 0 (got '-1')"),
+    (["replay", "--scenario", "incident", "--scale", "0"],
+     "argument --scale: must be a number > 0 (got '0')"),
+    (["replay", "--scenario", "incident", "--rate-x", "-2"],
+     "argument --rate-x: must be a number > 0 (got '-2')"),
+    (["replay", "--scenario", "incident", "--replicas", "0"],
+     "argument --replicas: must be a whole number >= 1 (got '0')"),
+    (["replay", "--scenario", "incident", "--max-tokens", "0"],
+     "argument --max-tokens: must be a whole number >= 1 (got '0')"),
+    (["eval", "--seeds", "0"], "argument --seeds: must be a whole number >= 1 (got '0')"),
+    (["eval", "--jobs", "-1"], "argument --jobs: must be a whole number >= 0 (got '-1')"),
+    (["eval", "--loads", "0.8,-1"], "argument --loads: each load must be a number > 0 (got '-1')"),
+    (["eval", "--loads", "high"], "argument --loads: each load must be a number > 0"),
 ])
-def test_bad_arguments_are_one_clear_line_never_a_traceback(args: list[str],
-                                                            message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "extproc", *args], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert result.stdout == ""  # nothing half-written, no config with a bad port in it
+def test_bad_arguments_are_one_clear_line_never_a_traceback(
+        args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_main(args, capsys)
+    assert status == 2, err
+    assert message in err.splitlines()[-1], err  # the one error line, after the usage
+    assert out == ""  # nothing half-written, no config with a bad port in it
 
 
-def test_an_engine_flag_out_of_bounds_is_one_message() -> None:
-    """Not two that contradict each other (>= 1 and >= 0 for the same value)."""
-    result = subprocess.run([sys.executable, "-m", "extproc", "fake-backend", "--max-num-seqs",
-                             "-1"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.count("max_num_seqs") == 1, result.stderr
-    assert "max_num_seqs must be >= 1, got -1" in result.stderr
+def test_good_values_pass_the_bounds() -> None:
+    """The bounds refuse only what makes no sense: 0 where it means something is taken."""
+    args = parser().parse_args(["fake-backend", "--time-scale", "0", "--num-gpu-blocks", "0",
+                                "--kv-cache-tokens", "0", "--ms-per-token", "0.05"])
+    assert (args.time_scale, args.num_gpu_blocks, args.kv_cache_tokens) == (0.0, 0, 0)
+    args = parser().parse_args(["eval", "--jobs", "0", "--loads", "0.8, 1.5,3"])
+    assert (args.jobs, args.loads) == (0, [0.8, 1.5, 3.0])
+    args = parser().parse_args(["replay", "--scenario", "incident", "--fleet-scale", "0.25",
+                                "--timeout", "0.5"])
+    assert (args.fleet_scale, args.timeout) == (0.25, 0.5)
 
 
-def test_version_and_every_flag_has_help_with_its_default() -> None:
+def test_an_engine_flag_out_of_bounds_is_one_message(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not two that contradict each other (>= 1 and >= 0 for the same value), and named by
+    the flag the user typed rather than the engine's field."""
+    status, out, err = run_main(["fake-backend", "--max-num-seqs", "-1"], capsys)
+    assert status == 2 and out == ""
+    assert err.count("must be") == 1, err
+    assert err.splitlines()[-1].endswith(
+        "argument --max-num-seqs/--max-running: must be a whole number >= 1 (got '-1')")
+
+
+def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import version
 
-    result = subprocess.run([sys.executable, "-m", "extproc", "--version"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout.split() == [
-        "extproc", version("envoy-llm-admission")]
-    from extproc.cli import parser
+    status, out, err = run_main(["--version"], capsys)
+    assert status == 0, err
+    assert out == f"extproc {version('envoy-llm-admission')}\n"
 
-    commands = parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    for name in ("envoy-config", "fake-backend"):
-        for action in commands[name]._actions:
+
+def test_every_flag_has_help_and_shows_its_default() -> None:
+    """Every flag of every command says what it is for; a default that means something
+    (0 and 1 included) is printed after it; None (not given) and a switch's False are not."""
+    for name, command in subcommands().items():
+        text = " ".join(command.format_help().split())  # as if never wrapped
+        for action in command._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
             assert action.help, (name, action.option_strings)
-        text = commands[name].format_help()
-        assert "(default: 10000)" in text if name == "envoy-config" else "(default: 8000)" in text
+            says_nothing = action.default is None or action.default is False
+            if not says_nothing and action.default != argparse.SUPPRESS:
+                assert f"(default: {action.default})" in text, (name, action.option_strings)
+        assert "(default: None)" not in text and "(default: False)" not in text, name
+    fake = " ".join(subcommands()["fake-backend"].format_help().split())
+    assert "(default: 8000)" in fake and "(default: 127.0.0.1)" in fake
+    assert "most sequences running at once (default: 1024 in llama-70b-fp8-2xh100" in fake
+    envoy = " ".join(subcommands()["envoy-config"].format_help().split())
+    assert "(default: 10000)" in envoy and "(default: 9901)" in envoy
 
 
+@pytest.mark.parametrize("args", [
+    ["replay", "--trace", "{missing}"],
+    ["replay", "--scenario", "incident", "--config", "{missing}"],
+    ["serve", "--config", "{missing}"],
+    ["envoy-config", "--config", "{missing}"],
+])
+def test_a_missing_file_is_named_as_missing_not_as_bad_configuration(
+        args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "no" / "such.csv")
+    status, out, err = run_main([a.format(missing=missing) for a in args], capsys)
+    assert status == 2 and out == ""
+    assert f"no such file: {missing!r}" in err.splitlines()[-1], err
+    assert "invalid configuration" not in err
+
+
+def test_a_directory_is_not_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run_main(["replay", "--trace", str(tmp_path)], capsys)
+    assert status == 2
+    assert f"--trace: a directory, not a file: {str(tmp_path)!r}" in err
+
+
+def test_an_output_that_cannot_be_written_is_named_not_called_a_listener(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "no-such-folder" / "envoy.yaml"
+    status, out, err = run_main(["envoy-config", "-o", str(target)], capsys)
+    assert status == 1 and out == ""
+    assert err == f"extproc: {target}: No such file or directory\n"
+
+
+@integration
 def test_envoy_config_takes_good_backends_and_log_levels_in_any_case() -> None:
     result = subprocess.run([sys.executable, "-m", "extproc", "--log-level", "debug",
                              "envoy-config", "--backend", "10.0.0.7:8001", "--port", "65535"],
@@ -114,6 +210,7 @@ def test_envoy_config_takes_good_backends_and_log_levels_in_any_case() -> None:
     assert "10.0.0.7" in result.stdout and "8001" in result.stdout and "65535" in result.stdout
 
 
+@integration
 def test_a_config_with_an_impossible_port_never_reaches_envoys_config(tmp_path: Path) -> None:
     cfg = tmp_path / "ports.yaml"
     cfg.write_text("listen: 127.0.0.1:70000\nmetrics_listen: 127.0.0.1:99999\n")
@@ -125,6 +222,7 @@ def test_a_config_with_an_impossible_port_never_reaches_envoys_config(tmp_path: 
     assert "Traceback" not in result.stderr
 
 
+@integration
 def test_a_port_in_use_is_one_line_for_serve_and_fake_backend(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
