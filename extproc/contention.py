@@ -21,6 +21,7 @@ from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason,
 from extproc.config import Config
 from extproc.learning import PoolLearning
 from extproc.ledger import Cap
+from extproc.level import measured
 from extproc.share import (
     RESERVE_Z,
     level_of,
@@ -59,22 +60,27 @@ def at_cap(caps: tuple[Cap, ...], decision: Decision, snapshot: Snapshot) -> Dec
 
 def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Decision,
                     policy: Policy, config: Config, learning: PoolLearning, snapshot: Snapshot,
-                    capacity: Capacity, share: float, now: float) -> Decision | None:
+                    capacity: Capacity, share: float, now: float
+                    ) -> tuple[Decision | None, int]:
     """Priorities and fair shares (``extproc.share``): an admitted request must also fit after
     the room kept for the traffic it must not crowd out, expected while it runs: every
     higher priority's, and, when its tenant is over its share of a contended pool, the
     tenants' under theirs. Returns the refusal (``PRIORITY`` or ``FAIR_SHARE``), the decision
-    with its ledger checks tightened by that room, or None when nothing is kept."""
+    with its ledger checks tightened by that room, or None when nothing is kept; and the
+    admission limit it was measured against (0: none), which the pool records when the
+    request runs (``PoolLearning.admitted``: deciding only reads)."""
     protected = [g for g in learning.flows
                  if (level := level_of(g)) is not None and level > priority]
     several = tenant is not None and config.tenant.fair_share and sum(
         1 for g in learning.flows if tenant_of(g) is not None) > 1
     if not protected and not several:
-        return None
-    limit = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
-    swing = learning.limit.add(limit)
+        return None, 0
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
+    seen_n = math.floor(learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9))
+    limit = max(admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean),
+                seen_n)  # the model's, or what was measured (``extproc.level``)
+    swing = learning.limit.std
     over = False
     if tenant is not None and several:
         under = _under_their_share(tenant, decision, config, learning, snapshot,
@@ -82,25 +88,26 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
         over = under is not None
         protected += under or []
     if not protected:
-        return None
+        return None, limit
     kept = _kept(protected, decision, learning, snapshot, limit, swing, share, now)
     if kept <= 0:
-        return None
+        return None, limit
     mean_kv = snapshot.kv_tokens / n if n else cost.kv
     ahead = dataclasses.replace(snapshot, inflight=n + kept,
                                 outstanding_ms=snapshot.outstanding_ms + kept * mean_ms,
                                 kv_tokens=round(snapshot.kv_tokens + kept * mean_kv))
     seen = decide(cost, ahead, capacity, policy, now)
+    seen = measured(seen, cost, ahead, capacity, learning.level) or seen
     if not seen.admitted:
         return dataclasses.replace(
             seen, outcome=Outcome.REJECT,
             reason=Reason.FAIR_SHARE if over else Reason.PRIORITY,
-            retry_after_ms=max(1.0, seen.retry_after_ms or 0.0))
+            retry_after_ms=max(1.0, seen.retry_after_ms or 0.0)), limit
     assert seen.ceiling_ms is not None and seen.max_inflight is not None
     assert decision.ceiling_ms is not None and decision.max_inflight is not None
     return dataclasses.replace(
         decision, ceiling_ms=min(decision.ceiling_ms, seen.ceiling_ms - kept * mean_ms),
-        max_inflight=min(decision.max_inflight, seen.max_inflight - kept))
+        max_inflight=min(decision.max_inflight, seen.max_inflight - kept)), limit
 
 
 def _under_their_share(tenant: str, decision: Decision, config: Config,

@@ -97,6 +97,7 @@ from dataclasses import dataclass, field
 from extproc.admission import Mix
 from extproc.config import Config, Pool
 from extproc.lengths import Lengths, Prior
+from extproc.level import Level
 
 TARGET_ATTAINMENT = 0.99
 Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99
@@ -199,6 +200,10 @@ class Spread:
         delta = value - self.mean
         self.mean += self.weight * delta
         self.variance = (1.0 - self.weight) * (self.variance + self.weight * delta * delta)
+        return self.std
+
+    @property
+    def std(self) -> float:
         return math.sqrt(self.variance)
 
 
@@ -210,15 +215,13 @@ class Backlog:
     at: float = 0.0
 
     def level(self, now: float, tokens_per_s: float) -> float:
-        """The backlog now, drained at ``tokens_per_s`` since the last call."""
-        if now > self.at:
-            self.tokens = max(0.0, self.tokens - (now - self.at) * tokens_per_s)
-            self.at = now
-        return self.tokens
+        """The backlog at ``now``, drained at ``tokens_per_s`` since the last admission (a
+        read: deciding changes nothing)."""
+        return max(0.0, self.tokens - max(0.0, now - self.at) * tokens_per_s)
 
     def add(self, tokens: float, now: float, tokens_per_s: float) -> None:
-        self.level(now, tokens_per_s)
-        self.tokens += tokens
+        self.tokens = self.level(now, tokens_per_s) + tokens
+        self.at = max(self.at, now)
 
 
 @dataclass
@@ -294,6 +297,12 @@ class Running:
     unavoidable: float = 0.0
     prompt_tokens: int = 0  # prefilled for sure once its stream has ended
     missed: bool = False  # still running at its deadline: resolved as a miss
+    at_ms: float = 0.0  # work per replica outstanding at its admission, its own included ...
+    level_ms: float = -1.0  # ... the measured level then (< 0: not measured, ``extproc.level``)
+    charge_ms: float = 0.0  # ... its own work per replica ...
+    alone: bool = False  # ... and whether a replica had nothing to do
+    measured: bool = False  # admitted by the measured level against the model's prediction
+    limit: int = 0  # the admission limit its contention check met (0: none; ``Spread``)
 
 
 class PoolLearning:
@@ -316,9 +325,10 @@ class PoolLearning:
         self._views: dict[str, Lengths] = {}
         self._viewed_at = -math.inf
         # Each request is resolved at its deadline (docstring): (deadline, key), and the
-        # outcomes of those that ended first: key -> (class, missed, chance, unavoidable).
+        # outcomes of those that ended first: key -> (what it ran as, missed).
         self._due: list[tuple[float, str]] = []
-        self._ended: dict[str, tuple[str, bool, float, float]] = {}
+        self._ended: dict[str, tuple[Running, bool]] = {}
+        self.level = Level(target=TARGET_ATTAINMENT)  # what the pool was seen to serve in time
         self.backlog = Backlog()
         self.limit = Spread()  # the admission limit demoted requests meet (extproc.step)
 
@@ -384,13 +394,22 @@ class PoolLearning:
             running = self._running.get(key)
             if running is not None:
                 running.missed = True
-                self.promise(running.service_class).settled(True, _chance(running),
-                                                            running.unavoidable)
+                self._resolved(running, True)
                 continue
             ended = self._ended.pop(key, None)
             if ended is not None:
-                cls, missed, chance, unavoidable = ended
-                self.promise(cls).settled(missed, chance, unavoidable)
+                self._resolved(*ended)
+
+    def _resolved(self, running: Running, missed: bool) -> None:
+        """One admitted request's outcome, for its class's promise (unless the measured level
+        admitted it against the model: ``extproc.level``) and for the measured level."""
+        if not running.measured:
+            self.promise(running.service_class).settled(missed, _chance(running),
+                                                        running.unavoidable)
+        if running.level_ms >= 0:
+            self.level.settled(missed, running.at_ms, running.level_ms, running.charge_ms,
+                               alone=running.alone, unavoidable=running.unavoidable,
+                               measured=running.measured)
 
     def _own(self, service_class: str) -> Lengths:
         own = self.class_lengths.get(service_class)
@@ -406,6 +425,7 @@ class PoolLearning:
         self._asked = {c: n * factor for c, n in self._asked.items()}
         for promise in self.promises.values():
             promise.decay(factor)
+        self.level.decay(factor)
 
     def mix(self) -> Mix:
         lengths = self._views.get("", self.lengths)
@@ -422,7 +442,10 @@ class PoolLearning:
         """A request asked (admitted or not): it is demand, for the batch classes' reserve if
         its class is interactive, and for its groups' (priority, tenant: ``extproc.share``);
         it counts its class as served; its prompt is the traffic's (the mix is what asks, not
-        what was let in: a mix of what was let in would follow the decisions it feeds)."""
+        what was let in: a mix of what was let in would follow the decisions it feeds). The
+        requests whose deadline has come are resolved first (``refresh``): the decision that
+        follows (``extproc.step.admit``) only reads."""
+        self.refresh(now)
         self._asked[service_class] = self._asked.get(service_class, 0.0) + 1.0
         if not batch:
             self.demand.arrived(now)
@@ -447,8 +470,10 @@ class PoolLearning:
             self._running[key] = running
             if math.isfinite(running.deadline_s):
                 heapq.heappush(self._due, (running.started + running.deadline_s, key))
-            if running.chance is not None:
+            if running.chance is not None and not running.measured:
                 self.promise(service_class).admitted(running.chance, running.unavoidable)
+            if running.limit:
+                self.limit.add(running.limit)
         if not batch and expected_s > 0 and not self.demand.measured:
             self.demand.served(expected_s, now)
         for group in groups:
@@ -474,11 +499,12 @@ class PoolLearning:
             self.backlog.tokens = max(0.0, self.backlog.tokens - running.prompt_tokens)
         if key is not None and running is not None and math.isfinite(running.deadline_s):
             if not running.missed and (missed or completed):
-                self._ended[key] = (service_class, missed, _chance(running),
-                                    running.unavoidable)
+                self._ended[key] = (running, missed)
         elif missed or completed:
-            self.promise(service_class).settled(
-                missed, unavoidable if running is None else _chance(running), unavoidable)
+            if running is None:
+                self.promise(service_class).settled(missed, unavoidable, unavoidable)
+            else:
+                self._resolved(running, missed)
         if not batch:
             self.demand.served(seconds, now)
         for group in groups:

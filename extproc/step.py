@@ -65,6 +65,7 @@ from extproc.errors import BadRequest, RequestError
 from extproc.learning import PoolLearning, Running
 from extproc.ledger import Cap
 from extproc.lengths import PRIOR_SAMPLES
+from extproc.level import measured
 from extproc.share import priority_group, tenant_group
 
 NO_CORRECTION = Correction()
@@ -112,6 +113,11 @@ class Admission:
     groups: tuple[str, ...] = ()  # its ledger groups (``Ask.groups``)
     priority: int = 0  # its priority level (``Ask.priority``)
     caps: tuple[Cap, ...] = ()  # its tenant's hard caps, for the reserve's atomic check
+    at_ms: float = 0.0  # work per replica outstanding with it (the measured level's evidence)
+    level_ms: float = 0.0  # the measured level it was decided at (``extproc.level``)
+    charge_ms: float = 0.0  # its own work per replica
+    alone: bool = False  # a replica had nothing to do
+    limit: int = 0  # the admission limit its contention check met (0: none checked)
 
     @property
     def kv_tokens(self) -> int:
@@ -200,7 +206,6 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
           replicas: int, now: float, correction: Correction = NO_CORRECTION) -> Admission:
     """Decide one request (module docstring)."""
     policy = class_policy(config, ask.service_class, ask.deadline_ms)
-    learning.refresh(now)
     cost = cost_of(ask, pool, learning)
     limit = pool.engine.max_model_len
     asked = ask.prompt_tokens + (ask.max_tokens or 0) * max(1, ask.choices)
@@ -223,6 +228,8 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
     snapshot = dataclasses.replace(correction.apply(snapshot),
                                    prefill_tokens=learning.backlog.level(now, rate) / share)
     decision = decide(cost, snapshot, capacity, policy, now)
+    if not policy.batch and ask.known_output_tokens is None:  # (the oracle needs no measuring)
+        decision = measured(decision, cost, snapshot, capacity, learning.level) or decision
     outcome, reason = decision.outcome, decision.reason
     error: RequestError | None = None
     if reason is Reason.INFEASIBLE:
@@ -246,12 +253,14 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
             decision, outcome = crowded, crowded.outcome
             reason = reason if reason is Reason.INFEASIBLE else crowded.reason
     caps = contention.caps(ask.tenant, config)
+    limit = 0
     if outcome in (Outcome.ADMIT, Outcome.PASS):
         changed = contention.at_cap(caps, decision, snapshot)
-        if changed is None and outcome is Outcome.ADMIT:
-            changed = contention.room_for_others(ask.tenant, ask.priority, cost, decision,
-                                                 policy, config, learning, snapshot, capacity,
-                                                 share, now)
+        if changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas:
+            # (while a replica has nothing to do, no room is kept: ``extproc.level``)
+            changed, limit = contention.room_for_others(
+                ask.tenant, ask.priority, cost, decision, policy, config, learning, snapshot,
+                capacity, share, now)
         if changed is not None:
             decision, outcome, reason = changed, changed.outcome, changed.reason
     runs = outcome in (Outcome.ADMIT, Outcome.PASS)
@@ -271,7 +280,10 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         unavoidable=alone,
         chance=(max(alone, miss_chance(cost, decision, policy, learning, ask.service_class))
                 if outcome is Outcome.ADMIT else alone),
-        prefill_rate=rate, groups=ask.groups, priority=ask.priority, caps=caps)
+        prefill_rate=rate, groups=ask.groups, priority=ask.priority, caps=caps,
+        at_ms=(snapshot.outstanding_ms + decision.service_ms) / max(replicas, 1),
+        level_ms=learning.level.level_ms, charge_ms=decision.service_ms / max(replicas, 1),
+        alone=snapshot.inflight < replicas, limit=limit)
 
 
 def running_of(adm: Admission, now: float) -> Running:
@@ -280,7 +292,10 @@ def running_of(adm: Admission, now: float) -> Running:
     return Running(adm.service_class, now, deadline_s=adm.policy.deadline_ms / 1000.0,
                    ttft_ms=d.ttft_ms if d else 0.0, step_ms=d.step_ms if d else 0.0,
                    chance=adm.chance, unavoidable=adm.unavoidable,
-                   prompt_tokens=adm.cost.prompt_tokens)
+                   prompt_tokens=adm.cost.prompt_tokens,
+                   at_ms=adm.at_ms, level_ms=adm.level_ms if adm.outcome is Outcome.ADMIT else -1.0,
+                   charge_ms=adm.charge_ms, alone=adm.alone,
+                   measured=adm.reason is Reason.MEASURED, limit=adm.limit if adm.runs else 0)
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,

@@ -215,28 +215,23 @@ def test_keda_scales_down_only_after_its_window() -> None:
 
 TARGETS = ("naive", "saturation", "tuned", "attainment")
 GAPS = {
-    ("multi-turn", "naive"): "0.88x naive: two-minute conversations end before the promise"
-                             " has loosened to what 16 slots sustain",
-    ("multi-turn", "tuned"): "0.88x the tuned limit (16, naive's)",
-    ("flash-crowd", "naive"): "0.88x naive: the crowd arrives while the promise is strict",
-    ("flash-crowd", "tuned"): "0.88x the tuned limit (16, naive's)",
-    ("flash-crowd", "attainment"): "97.7%: the crowd's first tokens wait behind its prompts"
-                                   " longer than the backlog model predicts",
-    ("diurnal", "naive"): "0.998x naive: the ramp is over before the promise loosens",
-    ("azure-conv", "naive"): "0.89x naive on a two-minute slice of the trace",
-    ("azure-conv", "tuned"): "0.89x the tuned limit (16, naive's)",
-    ("azure-code", "naive"): "0.95x naive on a two-minute slice of the bursty code trace",
-    ("azure-code", "saturation"): "0.95x the saturation detector",
-    ("class-mix", "attainment"): "98.95%: TTFT misses of the latency class, which the"
-                                 " gateway does not measure",
-    ("summarisation", "tuned"): "0.79x the tuned limit of 10: KV-bound documents whose"
+    ("multi-turn", "naive"): "0.87x naive: two-minute conversations end before the measured"
+                             " level has grown to what 16 slots sustain",
+    ("multi-turn", "tuned"): "0.87x the tuned limit (16, naive's)",
+    ("flash-crowd", "naive"): "0.90x naive: the crowd arrives while the promise is strict",
+    ("flash-crowd", "tuned"): "0.90x the tuned limit (16, naive's)",
+    ("azure-conv", "naive"): "0.90x naive on a two-minute slice of the trace",
+    ("azure-conv", "tuned"): "0.90x the tuned limit (16, naive's)",
+    ("summarisation", "tuned"): "0.67x the tuned limit of 10: KV-bound documents whose"
                                 " prefill stalls the decodes beside them",
-    ("noisy-neighbour", "naive"): "0.965x naive: fair shares keep room for the steady tenant"
-                                  " that the burst could have used",
-    ("priority", "naive"): "0.13x naive: a 22 s deadline under the cold prior's promise"
-                           " refuses every priority alike on an idle 16-slot fleet",
-    ("priority", "saturation"): "0.18x the saturation detector (the same cold start)",
-    ("priority", "tuned"): "0.13x the tuned limit (the same cold start)",
+    ("output-tail", "naive"): "0.75x naive in a quarter of the run: one answer in five cannot"
+                              " finish in time even alone, and the measured level grows from"
+                              " one request per replica",
+    ("output-tail", "tuned"): "0.75x the tuned limit (16, naive's)",
+    ("priority", "naive"): "0.23x naive: the room kept for higher priorities' expected"
+                           " arrivals is sized on the model's strict limit",
+    ("priority", "saturation"): "0.31x the saturation detector (the same reserve)",
+    ("priority", "tuned"): "0.23x the tuned limit (the same reserve)",
 }
 
 

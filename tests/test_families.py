@@ -80,6 +80,12 @@ RANGES = {
     "azure-conv": {"window_start_frac": (0, 1), "deadline_s": (20, 40)},
     "azure-code": {"window_start_frac": (0, 1), "timeout_s": (10, 60)},
     "incident": {"minutes": (24, 36)},
+    "output-tail": {"short_share": (0.75, 0.85), "long_median": (1000, 2000),
+                    "deadline_x": (0.5, 0.8), "nominal_min": (40, 50)},
+    "reasoning": {"output_median": (1000, 2000), "output_sigma": (0.7, 1.1),
+                  "deadline_s": (200, 400), "nominal_min": (40, 50)},
+    "agentic": {"system_tokens": (3000, 8000), "context_tokens": (50_000, 100_000),
+                "deadline_s": (60, 120), "nominal_min": (40, 50)},
 }
 
 
@@ -117,6 +123,39 @@ def test_bimodal_outputs_have_two_modes_and_one_max_tokens() -> None:
     short = sum(1 for j in jobs if j.output_tokens < 200) / len(jobs)
     assert abs(short - d.params["short_share"]) < 0.05
     assert all(j.output_tokens < 200 or j.output_tokens > 300 for j in jobs[:200])
+
+
+def test_the_output_tail_cannot_finish_in_time_even_alone() -> None:
+    """The long answers need more than their budget on an idle replica of any fleet: no
+    admission level saves them (the misses the measured level must not tighten on)."""
+    for fleet in ("70b-16", "8b-vllm"):
+        d = draw("output-tail", fleet=fleet, size=0.1)
+        sc = d.scenario
+        latency = sc.config.classes["latency"]
+        budget_ms = latency.deadline_ms * latency.safety_factor
+        alone_ms = d.params["long_median"] * sc.engine.itl_ms(1, 1000.0)
+        assert alone_ms > budget_ms
+        long = sum(1 for j in sc.jobs if j.output_tokens > 300) / len(sc.jobs)
+        assert abs(long - (1 - d.params["short_share"])) < 0.05
+
+
+def test_the_long_families_run_for_forty_minutes_where_their_budget_allows() -> None:
+    for name in ("output-tail", "reasoning", "agentic"):
+        d = draw(name, fleet="70b-16", size=1.0)
+        assert d.scenario.span_s >= 2400.0, (name, d.scenario.span_s)
+
+
+def test_agentic_sessions_grow_their_context_on_a_cached_prefix() -> None:
+    jobs = draw("agentic", size=0.2).scenario.jobs
+    sessions: dict[str, list] = {}
+    for j in jobs:
+        sessions.setdefault(j.prefix_key, []).append(j)
+    longest = max(sessions.values(), key=len)
+    assert len(longest) >= 5
+    for earlier, later in zip(longest, longest[1:]):
+        assert later.prefix_tokens == earlier.prompt_tokens + earlier.output_tokens
+        assert later.prompt_tokens > later.prefix_tokens
+    assert max(j.prompt_tokens for j in jobs) > 30_000
 
 
 def test_class_mix_has_both_classes_in_the_drawn_shares() -> None:

@@ -544,6 +544,104 @@ def priority(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
     return _scenario("priority", seed, load, fleet, levels, classes, clients, True, d.params)
 
 
+LONG_BUDGET = 24_000  # requests a long family's run holds at load 1 (size 1), at most ...
+LONG_FLOOR_S = 900.0  # ... but never shorter than this
+
+
+def _long_span(d: _Draws, rate: float, size: float) -> float:
+    """A long family's run (latching shows over tens of minutes): U(40, 50) min, shortened
+    only where it would hold more than ``LONG_BUDGET x size`` requests at load 1, never under
+    ``LONG_FLOOR_S x min(1, size)``."""
+    nominal = 60.0 * d.uniform("nominal_min", 40, 50)
+    span = min(nominal, max(LONG_FLOOR_S * min(1.0, size), LONG_BUDGET * size / max(rate, 1e-9)))
+    d.params["span_s"] = round(span, 1)
+    return span
+
+
+def output_tail(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
+    d = _Draws("output-tail", seed)
+    prompt, _ = _chat_lengths(d)
+    share = d.uniform("short_share", 0.75, 0.85)
+    short = _lognormal(d.uniform("short_median", 10, 30), 0.4, high=4096)
+    long_median = d.uniform("long_median", 1000, 2000)
+    long = _lognormal(long_median, 0.3, high=4096)
+    # the deadline leaves a long answer U(0.5, 0.8) of what it needs alone on this fleet
+    alone_s = long_median * fleet.engine.itl_ms(1, 1000.0) / 1000.0 / 0.8
+    deadline_s = d.uniform("deadline_x", 0.5, 0.8) * alone_s
+    classes = {"latency": {"deadline_ms": 1000 * deadline_s,
+                           "ttft_ms": 1000 * min(deadline_s / 3, d.uniform("ttft_s", 1.5, 3.0)),
+                           "safety_factor": 0.8}}
+    clients = ClientModel(timeout_s=deadline_s * d.uniform("timeout_x", 1.5, 4.0))
+
+    def draw(arrivals: Iterable[float], rng: random.Random) -> list[Job]:
+        return [Job(arrival_s=t, prompt_tokens=prompt.draw(rng),
+                    output_tokens=(short if rng.random() < share else long).draw(rng),
+                    max_tokens=4096) for t in arrivals]
+
+    cap = fleet.capacity_rps(draw([0.0] * PROBE, random.Random(f"output-tail/{seed}/probe")))
+    span = _long_span(d, cap, size)
+    rng = random.Random(f"output-tail/{seed}/jobs")
+    jobs = draw(poisson_arrivals(load * cap, span, rng), rng)
+    return _scenario("output-tail", seed, load, fleet, jobs, classes, clients, True, d.params)
+
+
+def reasoning(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
+    d = _Draws("reasoning", seed)
+    prompt, _ = _chat_lengths(d)
+    output = _lognormal(d.uniform("output_median", 1000, 2000),
+                        d.uniform("output_sigma", 0.7, 1.1), high=16_384)
+    deadline_s = d.uniform("deadline_s", 200, 400)
+    classes = {"latency": {"deadline_ms": 1000 * deadline_s,
+                           "ttft_ms": 1000 * d.uniform("ttft_s", 5, 15), "safety_factor": 0.8}}
+    clients = ClientModel(timeout_s=600.0)
+    cap = fleet.capacity_rps(_probe("reasoning", seed, prompt, output, 16_384))
+    span = _long_span(d, cap, size)
+    rng = random.Random(f"reasoning/{seed}/jobs")
+    jobs = _jobs(poisson_arrivals(load * cap, span, rng), rng, prompt, output, 16_384)
+    return _scenario("reasoning", seed, load, fleet, jobs, classes, clients, True, d.params)
+
+
+def agentic(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
+    d = _Draws("agentic", seed)
+    system = round(d.uniform("system_tokens", 3000, 8000))
+    task = _lognormal(d.uniform("task_median", 200, 800), 0.8, high=8000)
+    tool = _lognormal(d.uniform("tool_result_median", 500, 3000), 1.0, high=30_000)
+    output = _lognormal(d.uniform("output_median", 80, 250), 0.7, high=2048)
+    tool_s = d.uniform("tool_s", 1, 8)  # a tool call's mean run time
+    top = round(d.uniform("context_tokens", 50_000, 100_000))
+    deadline_s = d.uniform("deadline_s", 60, 120)
+    classes = {"latency": {"deadline_ms": 1000 * deadline_s,
+                           "ttft_ms": 1000 * d.uniform("ttft_s", 5, 15), "safety_factor": 0.8}}
+    clients = ClientModel(timeout_s=deadline_s * d.uniform("timeout_x", 1.5, 3.0))
+    limit = min(top, fleet.engine.max_model_len - 2048)
+
+    def session(key: str, start: float, rng: random.Random) -> list[Job]:
+        jobs: list[Job] = []
+        history, t = 0, start
+        for step in range(rng.randint(5, 60)):
+            prompt = history + (system + task.draw(rng) if step == 0 else tool.draw(rng))
+            if prompt > limit:
+                break
+            out = output.draw(rng)
+            jobs.append(Job(arrival_s=t, prompt_tokens=prompt, output_tokens=out,
+                            max_tokens=2048, prefix_key=key, prefix_tokens=history))
+            history = prompt + out
+            t += out * 0.03 + rng.expovariate(1.0 / tool_s)
+        return jobs
+
+    probe_rng = random.Random(f"agentic/{seed}/probe")
+    probe = [j for i in range(PROBE // 20) for j in session(f"p{i}", 0.0, probe_rng)]
+    per_session = len(probe) / (PROBE // 20)
+    cap = _warm_capacity(fleet, probe)
+    span = _long_span(d, cap, size)
+    rng = random.Random(f"agentic/{seed}/jobs")
+    lead = 600.0  # sessions start before 0 too, so the run opens mid-traffic
+    starts = poisson_arrivals(load * cap / per_session, span + lead, rng, start_s=-lead)
+    jobs = [j for i, t in enumerate(starts) for j in session(f"s{seed}a{i}", t, rng)
+            if 0.0 <= j.arrival_s < span]
+    return _scenario("agentic", seed, load, fleet, jobs, classes, clients, True, d.params)
+
+
 FAMILIES: dict[str, Family] = {
     "long-context": long_context,
     "flash-crowd": flash_crowd,
@@ -557,6 +655,9 @@ FAMILIES: dict[str, Family] = {
     "incident": incident,
     "noisy-neighbour": noisy_neighbour,
     "priority": priority,
+    "output-tail": output_tail,
+    "reasoning": reasoning,
+    "agentic": agentic,
 }
 TIME_VARYING = ("diurnal", "flash-crowd", "incident")
 

@@ -10,7 +10,8 @@ The gateway does what ``extproc.gate.Gate`` does, minus parsing and I/O: it read
 snapshot (the production ``LedgerCore``) and the ready capacity, asks the policy (for
 ``default``, ``none`` and ``oracle`` the production ``admission.decide``), and either answers
 429 with the production ``Retry-After`` rule, refuses an infeasible request (when configured)
-or records the entry and forwards the request to the least-loaded ready replica. The entry is
+or records the entry and forwards the request to the least-loaded ready replica (a turn of a
+conversation to its last turn's replica, unless that one is much busier: ``target``). The entry is
 released when the request's stream ends: its last token, or its client giving up. Leases never
 expire in the simulator: no stream is ever lost, so the lease backstop has nothing to do.
 
@@ -55,6 +56,7 @@ from extproc.step import (
 from extproc.workload import Job
 
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL = range(5)
+AFFINITY_SLACK = 0.25  # a prefix's replica is kept while at most this share of a batch busier
 SCRAPE_S = 0.05  # how often a saturation detector's view of the engines is refreshed
 
 
@@ -267,6 +269,7 @@ class Simulation:
         self._view = EngineView()
         self._prefill_rate = 0.0  # the last step decision's (the backlog's drain)
         self._view_at = -INF
+        self._affinity: dict[str, Replica] = {}  # prefix key -> the replica of its last turn
         # Every client waits the same timeout, so timeouts come due in the order they were
         # set: a FIFO instead of the heap (stale ones, for finished attempts, are skipped).
         self._timeouts: deque[tuple[float, Attempt]] = deque()
@@ -496,7 +499,7 @@ class Simulation:
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
         self.ledger.reserve(Entry(a.key, pool.name, service, lease_ms, kv, ask.groups))
         self._inflight.append(a)
-        target = self.target()
+        target = self.target(job.prefix_key)
         assert target is not None
         target.submit(a, now)
         self._timeouts.append((now + self.scenario.clients.timeout_s, a))
@@ -514,16 +517,26 @@ class Simulation:
             self._view_at = now
         return dataclasses.replace(view, age_s=now - self._view_at)
 
-    def target(self) -> Replica | None:
-        """The least-loaded ready replica (running + waiting): where a request goes."""
+    def target(self, prefix_key: str | None = None) -> Replica | None:
+        """Where a request goes: the least-loaded ready replica (running + waiting), unless it
+        continues a prefix (a conversation, an agent's session) whose last turn went to a
+        replica not more than ``AFFINITY_SLACK`` of a batch busier: there, as a prefix-aware
+        router (llm-d's prefix scorer beside its load scorer) sends it, its history is
+        probably still cached."""
         if not self.ready:
             return None
         target = self.ready[0]
-        best = len(target.running) + len(target.waiting)
+        best = target.load
         for r in self.ready:
-            load = len(r.running) + len(r.waiting)
-            if load < best:
-                target, best = r, load
+            if r.load < best:
+                target, best = r, r.load
+        if prefix_key is None:
+            return target
+        last = self._affinity.get(prefix_key)
+        slack = max(1.0, AFFINITY_SLACK * self.scenario.engine.max_num_seqs)
+        if last is not None and last.state == "ready" and last.load <= best + slack:
+            target = last
+        self._affinity[prefix_key] = target
         return target
 
     def _release(self, a: Attempt, completed: bool) -> None:

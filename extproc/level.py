@@ -1,0 +1,143 @@
+"""The measured level: how many requests per replica the pool has been *seen* to serve in time.
+
+The admission model (``extproc.admission.decide``, held to its target by the promise,
+``extproc.learning.Promise``) predicts; this measures. Every admitted request is resolved when
+its deadline comes (``PoolLearning.resolve``): a hit or a miss, at the level it was admitted
+at, ``at = (outstanding work, its own included) / ready replicas`` from the ledger's snapshot
+(every gateway's requests, so each gateway replica measures the same pool). The step
+(``extproc.step.admit``) admits a feasible request the model refused whenever the pool holds
+less work than ``level x replicas`` (or a replica has nothing to do) and a replica has a free
+slot for it (its sequence limit and its KV cache): the model may admit more than the measured
+level, never less. The level is in the ledger's unit, outstanding work per replica (each
+request's charge, ``Decision.service_ms``): a count would let a long request in wherever a
+short one was seen to fit.
+
+The invariants (``docs/admission.md``):
+
+- **Work conservation and cold start.** While a replica has nothing to do (fewer requests in
+  flight than ready replicas), a feasible request is admitted, whatever the learned state,
+  and no room is kept for higher priorities (``extproc.step``).
+- **Recovery.** A hit of a request admitted at the top of the level (``at >= FRONTIER x
+  level``) is evidence that the pool serves ``at`` in time: the level rises to what that
+  supports if it is higher. If the level admitted it (the model had refused), that is
+  ``PROBE x at`` until the first back-off (a slow start, as TCP's) and ``CREEP x at`` after
+  it; if the model admitted it, one request more for the fleet (``at + 1 / replicas``): the
+  level follows the model's admissions closely, and probes past them only where the model
+  refuses and measurement says it need not. So refusals that measurement does not back loosen
+  by themselves: from the strictest state (one request per replica) the level grows by half
+  each time the requests admitted at its top reach their deadline in time (16 per replica in
+  seven deadlines).
+- **Back-off.** Misses of requests admitted at the top beyond what the baseline allows, by more
+  than a Poisson deviation (``over``), cut the level by ``BACKOFF``; the evidence starts again.
+- **Unavoidable misses never tighten.** The baseline is the miss rate measured at low load
+  (requests admitted while a replica had nothing to do), with the model's chance of
+  missing even alone (``extproc.step.unavoidable``) as its prior for ``PRIOR_REQUESTS``
+  requests: misses that happen at low load too are what the top may also have, plus the target's
+  1%. A workload where one answer in five cannot finish in time at any load keeps its level.
+
+Requests the level admitted against the model's prediction do not move the promise (their
+chance of missing, as the model predicts it, is high by construction, and counting them would
+tighten the model for what the measurement already governs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from extproc.admission import Capacity, Cost, Decision, Outcome, Reason, Snapshot
+
+FRONTIER = 0.8  # a request admitted at this share of the level or more tests the level
+PROBE = 1.5  # until the first back-off, a hit at the top the level admitted supports this ...
+CREEP = 1.1  # ... and this after it (at least one request more for the fleet)
+BACKOFF = 0.8  # the level's cut when the top misses more than the baseline allows
+MEMORY = 0.98  # each top resolution's weight decays by this per later one (~50 resolutions)
+PRIOR_REQUESTS = 20.0  # the model's unavoidable chance counts as this many low-load requests
+
+
+@dataclass
+class Level:
+    """The measured level of one pool (module docstring), in the ledger's unit: outstanding
+    work (ms of GPU time, ``Decision.service_ms`` each) per ready replica."""
+
+    level_ms: float = 0.0
+    probing: bool = True  # no back-off yet (``PROBE``; ``CREEP`` after one)
+    target: float = 0.99  # of admitted requests in time (``extproc.learning``'s target)
+    _low: float = 0.0  # resolutions of requests admitted while a replica had nothing to do
+    _low_missed: float = 0.0  # ... and their misses
+    _prior: float = 0.0  # the model's mean unavoidable chance over resolutions, decayed
+    _priors: float = 0.0
+    _top: float = 0.0  # resolutions at the top since the last back-off, decayed
+    _top_missed: float = 0.0
+    _top_allowed: float = 0.0  # ... the misses the baseline allows them
+
+    def admits(self, work_ms: float, replicas: int) -> bool:
+        """Whether the level covers ``work_ms`` outstanding, a new request's included."""
+        return replicas > 0 and work_ms <= self.level_ms * replicas
+
+    @property
+    def baseline(self) -> float:
+        """The miss rate at low load: measured, with the model's unavoidable chance as prior."""
+        prior = self._prior / self._priors if self._priors else 0.0
+        return (self._low_missed + PRIOR_REQUESTS * prior) / (self._low + PRIOR_REQUESTS)
+
+    @property
+    def over(self) -> bool:
+        """The top misses more than the baseline allows, by more than two Poisson deviations."""
+        allowed = self._top_allowed
+        return self._top_missed > allowed + 2.0 * math.sqrt(allowed) + 1.0
+
+    def settled(self, missed: bool, at_ms: float, level_ms: float, step_ms: float, *,
+                alone: bool = False, unavoidable: float = 0.0, measured: bool = False) -> None:
+        """A request admitted with ``at_ms`` of work per replica outstanding (its own
+        included), when the level was ``level_ms``, was resolved: ``missed`` its deadline or
+        not. ``step_ms``: its own charge per replica (one request more); ``alone``: a replica
+        had nothing to do when it was admitted; ``unavoidable``: the model's chance that it
+        misses even alone; ``measured``: the level admitted it (the model had refused)."""
+        self._prior += unavoidable
+        self._priors += 1.0
+        if alone:
+            self._low += 1.0
+            self._low_missed += 1.0 if missed else 0.0
+        if at_ms < FRONTIER * level_ms:
+            return
+        self._top = self._top * MEMORY + 1.0
+        self._top_missed = self._top_missed * MEMORY + (1.0 if missed else 0.0)
+        base = self.baseline
+        self._top_allowed = self._top_allowed * MEMORY + base + (1.0 - base) * (1.0 - self.target)
+        if missed and self.over:
+            self.level_ms *= BACKOFF
+            self.probing = False
+            self._top = self._top_missed = self._top_allowed = 0.0
+        elif not missed:
+            factor = (PROBE if self.probing else CREEP) if measured else 1.0
+            self.level_ms = max(self.level_ms, at_ms * factor, at_ms + step_ms)
+
+    def decay(self, factor: float) -> None:
+        """Forget a round's worth of the low-load baseline (as the lengths are forgotten)."""
+        self._low *= factor
+        self._low_missed *= factor
+        self._prior *= factor
+        self._priors *= factor
+
+
+MEASURABLE = (Reason.DEADLINE, Reason.TTFT, Reason.KV_CACHE)  # what the level overrules
+
+
+def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capacity,
+             level: Level) -> Decision | None:
+    """The model refused a feasible request (``MEASURABLE``); it is admitted (``MEASURED``)
+    if a replica has a free slot for it (its sequence limit and its KV cache) and either a
+    replica has nothing to do or the pool's work, with it, is within the measured level. The
+    ledger's atomic checks: that work and those slots. None: it stays as decided."""
+    if decision.reason not in MEASURABLE:
+        return None
+    n, replicas = snapshot.inflight, capacity.replicas
+    free = replicas * capacity.batch_with(snapshot, cost)
+    work = snapshot.outstanding_ms + decision.service_ms
+    if n + 1 > free or not (n < replicas or level.admits(work, replicas)):
+        return None
+    return dataclasses.replace(
+        decision, outcome=Outcome.ADMIT, reason=Reason.MEASURED, retry_after_ms=None,
+        ceiling_ms=max(work, level.level_ms * replicas), max_inflight=free)

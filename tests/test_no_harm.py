@@ -1,0 +1,172 @@
+"""Do no harm (docs/admission.md, "The invariants"): the decision cannot latch into refusing.
+
+Each test drives the one admission protocol the gateway and the simulator share: ``arrived``,
+the read-only ``admit``, ``admitted`` for what runs, ``settled`` when its stream ends and
+``refresh`` when deadlines come (``extproc.learning``, ``extproc.step``), on a pool whose
+learned lengths are bimodal (four answers in five of 20 tokens, one of 1,500): the promise's
+quantile is the long answer, which the model says cannot finish beside others.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import random
+
+from extproc import config as config_mod
+from extproc.admission import Outcome, Reason, Snapshot
+from extproc.learning import PoolLearning, learning_for
+from extproc.level import Level
+from extproc.share import CRITICAL, SHEDDABLE
+from extproc.step import Admission, Ask, admit, running_of
+
+R = 4  # replicas
+SLOTS = 16
+DEADLINE_S = 20.0
+CONFIG = config_mod.from_mapping({
+    "pools": [{"name": "llm", "replicas": R,
+               "engine": {"max_num_seqs": SLOTS, "max_model_len": 32768, "num_gpu_blocks": 0},
+               "expected_output_tokens": 200, "long_output_tokens": 1500}],
+    "classes": {"latency": {"deadline_ms": DEADLINE_S * 1000, "ttft_ms": 3000}},
+})
+POOL = CONFIG.pools[0]
+
+
+def bimodal() -> PoolLearning:
+    learning = learning_for(POOL)
+    for i in range(500):
+        learning.lengths.observe(1500 if i % 5 == 0 else 20)
+    return learning
+
+
+def ask(priority: int = 0) -> Ask:
+    return Ask("latency", 500, 2048, priority=priority)
+
+
+def at(n: int, learning: PoolLearning) -> Snapshot:
+    """``n`` requests like ``ask()`` in flight."""
+    charge = admit(ask(), POOL, CONFIG, learning, Snapshot(0, 0.0), R, 0.0).decision
+    assert charge is not None
+    return Snapshot(n, n * charge.service_ms)
+
+
+def decide_at(learning: PoolLearning, n: int, now: float, a: Ask | None = None) -> Admission:
+    a = a or ask()
+    learning.arrived(a.service_class, False, now, a.prompt_tokens, a.groups)
+    return admit(a, POOL, CONFIG, learning, at(n, learning), R, now)
+
+
+def fill(learning: PoolLearning, now: float) -> list[Admission]:
+    """Requests arrive at one pool until one is refused; those admitted run."""
+    admitted: list[Admission] = []
+    while len(admitted) < R * SLOTS:
+        adm = decide_at(learning, len(admitted), now)
+        if not adm.runs:
+            break
+        learning.admitted(adm.service_class, adm.cost.prompt_tokens, now=now,
+                          expected_s=adm.decision.completion_ms / 1000.0 if adm.decision else 0,
+                          key=f"{now}/{len(admitted)}", running=running_of(adm, now))
+        admitted.append(adm)
+    return admitted
+
+
+def generation(learning: PoolLearning, now: float, missed: float = 0.0) -> tuple[int, float]:
+    """Fill the pool; its requests end (a share ``missed`` of them late, spread over every
+    level) and are resolved at their deadline. Returns (admitted, the time after)."""
+    admitted = fill(learning, now)
+    rng = random.Random(f"{now}")
+    for i, adm in enumerate(admitted):
+        late = rng.random() < missed
+        seconds = DEADLINE_S * (1.5 if late else 0.5)
+        learning.settled(adm.service_class, batch=False, seconds=seconds,
+                         deadline_s=DEADLINE_S, completed=True, unavoidable=adm.unavoidable,
+                         now=now + seconds, key=f"{now}/{i}")
+    later = now + 2 * DEADLINE_S
+    learning.refresh(later)
+    return len(admitted), later
+
+
+def test_the_model_alone_is_strict_here() -> None:
+    """The premise: without measurement, the strict promise lets one request per replica in."""
+    learning = bimodal()
+    assert decide_at(learning, R, 0.0).reason is Reason.DEADLINE
+
+
+def test_cold_start_a_fresh_gateway_on_an_idle_fleet_admits_every_priority() -> None:
+    learning = learning_for(POOL)
+    for _ in range(50):  # critical traffic is known to arrive: its room is kept ...
+        learning.arrived("latency", False, 0.0, 500, ask(CRITICAL).groups)
+    for n in range(R):  # ... but not while a replica has nothing to do
+        adm = decide_at(learning, n, 0.0, ask(SHEDDABLE))
+        assert adm.runs, (n, adm.reason)
+
+
+def test_work_conservation_free_slots_at_a_measured_level_are_used() -> None:
+    learning = bimodal()
+    for n in range(R):  # a replica with nothing to do: admitted, whatever the promise
+        assert decide_at(learning, n, 0.0).runs
+    now = 0.0
+    for _ in range(10):  # the pool is seen to serve its requests in time ...
+        _, now = generation(learning, now)
+    adm = decide_at(learning, 5 * R, now)  # ... so its free slots are used
+    assert (adm.outcome, adm.reason) == (Outcome.ADMIT, Reason.MEASURED)
+    assert adm.max_inflight is not None and adm.max_inflight >= 5 * R + 1
+    assert adm.ceiling_ms is not None and adm.ceiling_ms >= at(5 * R + 1, learning).outstanding_ms
+    full = decide_at(learning, R * SLOTS, now)  # no free slot: the model's refusal stands
+    assert full.outcome is Outcome.REJECT
+
+
+def test_recovery_from_the_strictest_state_in_a_few_deadlines() -> None:
+    learning = bimodal()
+    promise = learning.promise("latency")
+    promise.x = math.log(0.005 / 0.995)  # the strictest promise ...
+    for _ in range(100):
+        promise.settled(True)  # ... with measured misses far over the target
+    assert promise.over
+    now, seen = 0.0, []
+    for _ in range(10):
+        admitted, now = generation(learning, now)
+        seen.append(admitted)
+    assert seen[0] <= 2 * R  # it starts strict ...
+    assert seen[-1] >= 12 * R, seen  # ... refusals nothing backs loosen by themselves ...
+    assert all(b >= a for a, b in zip(seen, seen[1:]))  # ... steadily, deadline by deadline
+
+
+def test_unavoidable_misses_do_not_tighten_the_level() -> None:
+    """One request in four misses at every level, alone or in a full pool: no admission
+    level prevents it, so the level still climbs to the slots."""
+    learning = bimodal()
+    now, seen = 0.0, []
+    for _ in range(16):
+        admitted, now = generation(learning, now, missed=0.25)
+        seen.append(admitted)
+    assert seen[-1] == R * SLOTS, seen
+
+
+def test_misses_that_only_load_causes_cut_the_level() -> None:
+    """The other side: misses at the top and none at low load back the level off."""
+    level = Level()
+    for _ in range(40):  # alone: always in time
+        level.settled(False, 1000.0, 0.0, 250.0, alone=True)
+    level.level_ms, level.probing = 10_000.0, False  # past its slow start
+    seen = []
+    for i in range(30):  # every other request at the top misses
+        level.settled(i % 2 == 0, 10_000.0, 10_000.0, 250.0, measured=True)
+        seen.append(level.level_ms)
+    assert min(seen) <= max(seen) * 0.8
+    assert max(seen) <= 10_000.0 * 1.1  # never far past what was measured
+
+
+def test_the_decision_only_reads() -> None:
+    """``admit`` changes no learned state, so the gateway's re-asks (an estimate then the
+    exact count, a refused reserve's retry) learn what the simulator's single ask does."""
+    learning = bimodal()
+    now = 0.0
+    for _ in range(3):
+        _, now = generation(learning, now)
+    before = pickle.dumps(learning)
+    for n in (0, R, 5 * R, R * SLOTS):
+        admit(ask(), POOL, CONFIG, learning, Snapshot(n, n * 2000.0), R, now + 0.5)
+        admit(ask(CRITICAL), POOL, CONFIG, learning, Snapshot(n, n * 2000.0), R, now + 7.0)
+        admit(ask(SHEDDABLE), POOL, CONFIG, learning, Snapshot(n, n * 2000.0), R, now + 9.0)
+    assert pickle.dumps(learning) == before
