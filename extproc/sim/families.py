@@ -83,6 +83,26 @@ The families (ranges are per seed, ``U(a, b)`` uniform):
   U(0.15, 0.25) of ``load`` (at 3x, from ~0.15 to ~0.6 capacity); the rest is a share U(0.3, 0.5)
   standard and the remainder sheddable. Streaming. Nominal U(8, 10) min.
 
+The long families (latching shows over tens of minutes: U(40, 50) min, shortened only where a
+run would hold more than ``LONG_BUDGET`` requests at load 1, never under ``LONG_FLOOR_S``):
+
+- ``output-tail``: an output tail no admission can save. Chat prompts; a share U(0.75, 0.85) of
+  answers median U(10, 30) tokens, the rest median U(1000, 2000) (sigma 0.3), ``max_tokens``
+  4096; the deadline gives a long answer U(0.5, 0.8) of what it needs alone on this fleet's
+  engine (so its misses happen at any load), TTFT U(1.5, 3) s (at most a third of the
+  deadline), timeout U(1.5, 4) x deadline. Streaming.
+- ``reasoning``: heavy-tailed reasoning lengths. Chat prompts; outputs log-normal, median
+  U(1000, 2000), sigma U(0.7, 1.1), up to 16,384 (``max_tokens``); deadline U(200, 400) s, TTFT
+  U(5, 15) s, the SDK's 600 s timeout. Streaming.
+- ``agentic``: tool-loop sessions with growing contexts. A system prompt of U(3k, 8k) tokens and
+  a task (median U(200, 800)) open a session of 5..60 steps; each step's prompt is the session
+  so far plus a tool result (median U(500, 3000), sigma 1.0), its answer median U(80, 250);
+  ``prefix_tokens`` is the session's history (the engine's prefix cache may hold it, and the
+  router sends a session's steps to its replica); the next step comes the answer's time plus
+  an exponential tool run of mean U(1, 8) s. A session ends where its context would pass
+  U(50k, 100k). Deadline U(60, 120) s, TTFT U(5, 15) s, timeout U(1.5, 3) x deadline.
+  Streaming; capacity as for ``multi-turn`` (a warm cache).
+
 Fleets (``FLEETS``): ``70b-16`` (4 replicas of Llama-3.3-70B FP8 on 2xH100, ``max_num_seqs``
 16, the incident's), ``70b-vllm`` (4 replicas, vLLM's defaults: 1024 sequences, KV-bound) and
 ``8b-vllm`` (2 replicas of Llama-3.1-8B on one H100). Any family runs on any fleet.
