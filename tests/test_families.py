@@ -152,7 +152,7 @@ def test_agentic_sessions_grow_their_context_on_a_cached_prefix() -> None:
         sessions.setdefault(j.prefix_key, []).append(j)
     longest = max(sessions.values(), key=len)
     assert len(longest) >= 5
-    for earlier, later in zip(longest, longest[1:]):
+    for earlier, later in itertools.pairwise(longest):
         assert later.prefix_tokens == earlier.prompt_tokens + earlier.output_tokens
         assert later.prompt_tokens > later.prefix_tokens
     assert max(j.prompt_tokens for j in jobs) > 30_000

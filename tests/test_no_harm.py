@@ -9,6 +9,7 @@ quantile is the long answer, which the model says cannot finish beside others.
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
 import random
@@ -129,7 +130,7 @@ def test_recovery_from_the_strictest_state_in_a_few_deadlines() -> None:
         seen.append(admitted)
     assert seen[0] <= 2 * R  # it starts strict ...
     assert seen[-1] >= 12 * R, seen  # ... refusals nothing backs loosen by themselves ...
-    assert all(b >= a for a, b in zip(seen, seen[1:]))  # ... steadily, deadline by deadline
+    assert all(b >= a for a, b in itertools.pairwise(seen))  # ... steadily, deadline by deadline
 
 
 def test_unavoidable_misses_do_not_tighten_the_level() -> None:
