@@ -20,8 +20,8 @@ The invariants (``docs/admission.md``):
 - **Recovery.** A hit of a request admitted at the top of the level (``at >= FRONTIER x
   level``) is evidence that the pool serves ``at`` in time: the level rises to what that
   supports if it is higher. If the level admitted it (the model had refused), that is
-  ``PROBE x at`` until the first back-off (a slow start, as TCP's) and ``CREEP x at`` after
-  it; if the model admitted it, one request more for the fleet (``at + 1 / replicas``): the
+  ``PROBE x at`` (a slow start, as TCP's), or ``CREEP x at`` within ``CLEAN`` top
+  resolutions of a back-off; if the model admitted it, one request more for the fleet (``at + 1 / replicas``): the
   level follows the model's admissions closely, and probes past them only where the model
   refuses and measurement says it need not. So refusals that measurement does not back loosen
   by themselves: from the strictest state (one request per replica) the level grows by half
@@ -53,6 +53,7 @@ PROBE = 1.5  # until the first back-off, a hit at the top the level admitted sup
 CREEP = 1.1  # ... and this after it (at least one request more for the fleet)
 BACKOFF = 0.8  # the level's cut when the top misses more than the baseline allows
 MEMORY = 0.98  # each top resolution's weight decays by this per later one (~50 resolutions)
+CLEAN = 50  # top resolutions after a back-off without another: probing again (``PROBE``)
 PRIOR_REQUESTS = 20.0  # the model's unavoidable chance counts as this many low-load requests
 
 
@@ -62,7 +63,8 @@ class Level:
     work (ms of GPU time, ``Decision.service_ms`` each) per ready replica."""
 
     level_ms: float = 0.0
-    probing: bool = True  # no back-off yet (``PROBE``; ``CREEP`` after one)
+    probing: bool = True  # no back-off in the last ``CLEAN`` top resolutions (else ``CREEP``)
+    _since: int = 0  # top resolutions since the last back-off
     target: float = 0.99  # of admitted requests in time (``extproc.learning``'s target)
     _low: float = 0.0  # resolutions of requests admitted while a replica had nothing to do
     _low_missed: float = 0.0  # ... and their misses
@@ -102,13 +104,16 @@ class Level:
             self._low_missed += 1.0 if missed else 0.0
         if at_ms < FRONTIER * level_ms:
             return
+        self._since += 1
+        if self._since >= CLEAN:
+            self.probing = True
         self._top = self._top * MEMORY + 1.0
         self._top_missed = self._top_missed * MEMORY + (1.0 if missed else 0.0)
         base = self.baseline
         self._top_allowed = self._top_allowed * MEMORY + base + (1.0 - base) * (1.0 - self.target)
         if missed and self.over:
             self.level_ms *= BACKOFF
-            self.probing = False
+            self.probing, self._since = False, 0
             self._top = self._top_missed = self._top_allowed = 0.0
         elif not missed:
             factor = (PROBE if self.probing else CREEP) if measured else 1.0
