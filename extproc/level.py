@@ -20,8 +20,8 @@ The invariants (``docs/admission.md``):
 - **Recovery.** A hit of a request admitted at the top of the level (``at >= FRONTIER x
   level``) is evidence that the pool serves ``at`` in time: the level rises to what that
   supports if it is higher. If the level admitted it (the model had refused), that is
-  ``PROBE x at`` (a slow start, as TCP's), or ``CREEP x at`` within ``CLEAN`` top
-  resolutions of a back-off; if the model admitted it, one request more for the fleet (``at + 1 / replicas``): the
+  ``PROBE x at`` (a slow start, as TCP's), or ``CREEP x at`` within ``CLEAN`` top resolutions
+  of a back-off; if the model admitted it, ``at`` plus its own charge (one request more): the
   level follows the model's admissions closely, and probes past them only where the model
   refuses and measurement says it need not. So refusals that measurement does not back loosen
   by themselves: from the strictest state (one request per replica) the level grows by half
