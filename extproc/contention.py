@@ -67,8 +67,8 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     higher priority's, and, when its tenant is over its share of a contended pool, the
     tenants' under theirs. Returns the refusal (``PRIORITY`` or ``FAIR_SHARE``), the decision
     with its ledger checks tightened by that room, or None when nothing is kept; and the
-    admission limit it was measured against (0: none), which the pool records when the
-    request runs (``PoolLearning.admitted``: deciding only reads)."""
+    admission limit it was measured against (0: none), which the pool records once per
+    request (``PoolLearning.decided``: deciding only reads)."""
     protected = [g for g in learning.flows
                  if (level := level_of(g)) is not None and level > priority]
     several = tenant is not None and config.tenant.fair_share and sum(

@@ -233,6 +233,8 @@ class Gate:
                                          ask.prompt_tokens, ask.groups)
         started = time.perf_counter()
         verdict = await self._admit(pool, ask, replicas, engines)
+        if verdict.admission is not None:  # once per request, whatever was asked again
+            self.learning[pool.name].decided(verdict.admission.limit)
         if uncounted is not None and verdict.ticket is not None and self.pricing.claim():
             verdict.ticket.correction = asyncio.create_task(
                 self._recount(verdict.ticket, request, pool, uncounted, ask, replicas))

@@ -302,7 +302,6 @@ class Running:
     charge_ms: float = 0.0  # ... its own work per replica ...
     alone: bool = False  # ... and whether a replica had nothing to do
     measured: bool = False  # admitted by the measured level against the model's prediction
-    limit: int = 0  # the admission limit its contention check met (0: none; ``Spread``)
 
 
 class PoolLearning:
@@ -456,6 +455,12 @@ class PoolLearning:
             w = max(MIX_WEIGHT, 1.0 / self._prompts)
             self._prompt += w * (prompt_tokens - self._prompt)
 
+    def decided(self, limit: int) -> None:
+        """A request was decided, once (not each time the gateway asked again): the admission
+        limit its contention check met (0: none was), a sample of ``limit``'s spread."""
+        if limit:
+            self.limit.add(limit)
+
     def admitted(self, service_class: str, prompt_tokens: int, *, batch: bool = False,
                  expected_s: float = 0.0, now: float = 0.0, prefill_rate: float = 0.0,
                  key: str | None = None, running: Running | None = None,
@@ -472,8 +477,6 @@ class PoolLearning:
                 heapq.heappush(self._due, (running.started + running.deadline_s, key))
             if running.chance is not None and not running.measured:
                 self.promise(service_class).admitted(running.chance, running.unavoidable)
-            if running.limit:
-                self.limit.add(running.limit)
         if not batch and expected_s > 0 and not self.demand.measured:
             self.demand.served(expected_s, now)
         for group in groups:

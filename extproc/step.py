@@ -295,7 +295,7 @@ def running_of(adm: Admission, now: float) -> Running:
                    prompt_tokens=adm.cost.prompt_tokens,
                    at_ms=adm.at_ms, level_ms=adm.level_ms if adm.outcome is Outcome.ADMIT else -1.0,
                    charge_ms=adm.charge_ms, alone=adm.alone,
-                   measured=adm.reason is Reason.MEASURED, limit=adm.limit if adm.runs else 0)
+                   measured=adm.reason is Reason.MEASURED)
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,
