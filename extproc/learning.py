@@ -235,12 +235,17 @@ class Demand:
     _durations: float = 0.0
     _first: float | None = None  # the first arrival: a young stream's rate is not diluted
 
-    def _decay(self, now: float) -> None:
+    def _factor(self, now: float) -> float:
+        """How much of what was counted up to the last record is left at ``now``."""
         if self._at is not None and now > self._at:
-            f = math.exp(-(now - self._at) / self.memory_s)
-            self._arrivals *= f
-            self._durations *= f
-            self._duration_s *= f
+            return math.exp(-(now - self._at) / self.memory_s)
+        return 1.0
+
+    def _decay(self, now: float) -> None:
+        f = self._factor(now)
+        self._arrivals *= f
+        self._durations *= f
+        self._duration_s *= f
         self._at = now if self._at is None else max(self._at, now)
 
     def arrived(self, now: float) -> None:
@@ -262,12 +267,12 @@ class Demand:
         """Arrivals a second: the decayed count over the decayed time it was counted in (a
         stream younger than its memory is not averaged with the time before it began). With
         ``z``, the count less ``z`` Poisson standard deviations: a rate there is evidence
-        for (one arrival in a second is no stream of one a second)."""
-        self._decay(now)
+        for (one arrival in a second is no stream of one a second). A read."""
         if self._first is None:
             return 0.0
         age = max(1.0, now - self._first)
-        seen = max(0.0, self._arrivals - z * math.sqrt(self._arrivals))
+        arrivals = self._arrivals * self._factor(now)
+        seen = max(0.0, arrivals - z * math.sqrt(arrivals))
         return seen / (self.memory_s * -math.expm1(-age / self.memory_s))
 
     @property
@@ -276,11 +281,10 @@ class Demand:
         return self._duration_s / self._durations if self._durations else 0.0
 
     def reserve(self, now: float) -> float:
-        """Slots the interactive classes need: ``λ T + 2 sqrt(λ T)``."""
-        self._decay(now)
+        """Slots the interactive classes need: ``λ T + 2 sqrt(λ T)``. A read."""
         if not self._durations:
             return 0.0
-        load = self._arrivals / self.memory_s * self._duration_s / self._durations
+        load = self._arrivals * self._factor(now) / self.memory_s * self.duration_s
         return load + 2.0 * math.sqrt(load)
 
 

@@ -14,6 +14,7 @@ from extproc import config as config_mod
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.capacity import StaticCapacity
 from extproc.gate import Gate
+from extproc.learning import PoolLearning
 from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
 from extproc.sim.clients import ClientModel
@@ -106,3 +107,62 @@ async def test_gate_and_simulator_decide_alike(seed: int, infeasible: str) -> No
     assert (Outcome.ADMIT, Reason.FITS) in outcomes
     assert any(o is Outcome.REJECT for o, _ in outcomes)
     assert any(o is Outcome.INVALID for o, _ in outcomes)
+
+
+def learned(learning: PoolLearning) -> tuple[Any, ...]:
+    """What a pool learned: promises, the measured level, the admission limit's spread,
+    demand, the requests it holds running, the prefill backlog, the classes it serves."""
+    return (sorted((c, round(p.x, 12), p.hits, p.misses) for c, p in learning.promises.items()),
+            round(learning.level.level_ms, 9), learning.level.probing,
+            learning.limit.mean, round(learning.limit.variance, 9),
+            round(learning.demand.rate(learning.demand._at or 0.0), 9),
+            dict(learning.inflight), round(learning.backlog.tokens, 6), learning.backlog.at,
+            sorted((c, round(n, 9)) for c, n in learning._asked.items()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_gate_and_simulator_learn_alike(seed: int) -> None:
+    """The same requests teach the gate (which asks again: an estimate then the exact count,
+    the reserve's retry) what they teach the simulator (which asks once): the learned state
+    before each request is the same in both."""
+    config = config_mod.from_mapping(SETTINGS)
+    work = jobs(seed)
+    before_sim: list[tuple[Any, ...]] = []
+    firsts: set[float] = set()
+    pool = config.pools[0]
+    scenario = Scenario(name="parity", jobs=work, config=config, engine=pool.engine,
+                        replicas=pool.replicas, clients=ClientModel(timeout_s=60.0))
+    simulation = Simulation(scenario, make("default"))
+
+    def record(job: Job, snapshot: Snapshot, adm: Admission) -> None:
+        if job.arrival_s not in firsts:
+            firsts.add(job.arrival_s)
+            before_sim.append(learned(simulation.learning))
+
+    simulation.on_decision = record
+    simulation.run()
+
+    now = [0.0]
+    ledger = MemoryLedger(clock=lambda: now[0])
+    gate = Gate(config, ledger, StaticCapacity(config.pools), Metrics(), clock=lambda: now[0])
+    before_gate: list[tuple[Any, ...]] = []
+    for job in work:
+        now[0] = job.arrival_s
+        path = "/v1/completions" if job.service_class == "latency" else "/batch/completions"
+        route = config.route(path)
+        assert route is not None
+        body: dict[str, Any] = {"model": "m", "prompt": "x" * (4 * job.prompt_tokens)}
+        if job.max_tokens is not None:
+            body["max_tokens"] = job.max_tokens
+        learning = gate.learning["llm"]
+        original = learning.arrived
+
+        def arrived(*args: Any, **kwargs: Any) -> None:  # the state the decision reads
+            original(*args, **kwargs)
+            before_gate.append(learned(learning))
+
+        learning.arrived = arrived  # type: ignore[method-assign]
+        await gate.check(route, path, {}, json.dumps(body).encode())
+        learning.arrived = original  # type: ignore[method-assign]
+    assert len(before_gate) == len(before_sim) == len(work)
+    assert before_gate == before_sim
