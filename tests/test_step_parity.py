@@ -146,6 +146,14 @@ async def test_gate_and_simulator_learn_alike(seed: int) -> None:
     ledger = MemoryLedger(clock=lambda: now[0])
     gate = Gate(config, ledger, StaticCapacity(config.pools), Metrics(), clock=lambda: now[0])
     before_gate: list[tuple[Any, ...]] = []
+    learning = gate.learning["llm"]
+    original = learning.arrived
+
+    def arrived(*args: Any, **kwargs: Any) -> None:  # the state the decision then reads
+        original(*args, **kwargs)
+        before_gate.append(learned(learning))
+
+    learning.arrived = arrived  # type: ignore[method-assign]
     for job in work:
         now[0] = job.arrival_s
         path = "/v1/completions" if job.service_class == "latency" else "/batch/completions"
@@ -154,15 +162,6 @@ async def test_gate_and_simulator_learn_alike(seed: int) -> None:
         body: dict[str, Any] = {"model": "m", "prompt": "x" * (4 * job.prompt_tokens)}
         if job.max_tokens is not None:
             body["max_tokens"] = job.max_tokens
-        learning = gate.learning["llm"]
-        original = learning.arrived
-
-        def arrived(*args: Any, **kwargs: Any) -> None:  # the state the decision reads
-            original(*args, **kwargs)
-            before_gate.append(learned(learning))
-
-        learning.arrived = arrived  # type: ignore[method-assign]
         await gate.check(route, path, {}, json.dumps(body).encode())
-        learning.arrived = original  # type: ignore[method-assign]
     assert len(before_gate) == len(before_sim) == len(work)
     assert before_gate == before_sim
