@@ -122,9 +122,11 @@ def learned(learning: PoolLearning) -> tuple[Any, ...]:
 
 @pytest.mark.parametrize("seed", range(3))
 async def test_gate_and_simulator_learn_alike(seed: int) -> None:
-    """The same requests teach the gate (which asks again: an estimate then the exact count,
-    the reserve's retry) what they teach the simulator (which asks once): the learned state
-    before each request is the same in both."""
+    """The same requests teach the gate what they teach the simulator: the learned state
+    before each request is the same in both. (The gate may ask again, an estimate then the
+    exact count or after a refused reserve, where the simulator asks once: the step only
+    reads, ``tests/test_no_harm.py::test_the_decision_only_reads``, and the records are
+    made once per request.)"""
     config = config_mod.from_mapping(SETTINGS)
     work = jobs(seed)
     before_sim: list[tuple[Any, ...]] = []
