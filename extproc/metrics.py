@@ -316,14 +316,20 @@ class _Promises:
             "extproc_promise_quantile", "The output-length quantile admission promises each"
             " request, held by feedback on predicted and measured attainment.",
             labels=["pool", "class"])
+        level = GaugeMetricFamily(
+            "extproc_measured_level_seconds", "Outstanding GPU work per ready replica the pool"
+            " was measured to finish in time: admitted within it whatever the model predicts"
+            " (extproc/level.py).", labels=["pool"])
         settled = CounterMetricFamily(
             "extproc_promise_settled", "Admitted requests resolved for the promise at their"
             " deadline: completed within it (hit) or not (miss).",
             labels=["pool", "class", "result"])
         for pool, learning in self.learning.items():
+            level.add_metric([pool], learning.level.level_ms / 1000.0)
             for cls, promise in learning.promises.items():
                 quantile.add_metric([pool, cls], promise.quantile)
                 settled.add_metric([pool, cls, "hit"], promise.hits)
                 settled.add_metric([pool, cls, "miss"], promise.misses)
         yield quantile
+        yield level
         yield settled
