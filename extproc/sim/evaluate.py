@@ -81,6 +81,7 @@ POLICIES = ("naive", "saturation", "default", "oracle", "tuned")
 BASELINES = ("naive", "saturation", "tuned", "oracle")  # default/X ratios, in this order
 TUNED_SHARE = 0.95  # default must reach this share of tuned's goodput
 ATTAINMENT = 0.99
+REFUSED_IDLE = 0.02  # of the run: refusing while a replica has nothing to do (issue 27)
 REDUCED_LOAD, REDUCED_FLEET, REDUCED_SIZE = 1.5, "70b-16", 0.25
 AUTOSCALE_LOAD, AUTOSCALE_FLEET, AUTOSCALE_SIZE = 1.0, "70b-16", 3.0
 AUTOSCALE_PROVISIONING_S = 180.0  # a replica whose weights are cached on its node
@@ -115,6 +116,7 @@ def figures(r: Result) -> Record:
     return {"goodput": round(r.goodput, 6), "good": r.good_in_span,
             "attainment": round(r.attainment, 6), "admitted": r.admitted,
             "rejected": r.rejected, "jobs_shed": r.jobs_shed,
+            "refused_idle_share": round(r.refused_idle_s / r.span_s, 5) if r.span_s else 0.0,
             "p99_latency_s": None if math.isinf(p99) or math.isnan(p99) else round(p99, 3)}
 
 
@@ -250,6 +252,9 @@ def summary(records: Sequence[Record]) -> Record:
     out["attainment met"] = sum(1 for r in strict if "attainment" not in r["losses"])
     out["all targets"] = sum(1 for r in records if not r["losses"])
     out["median default/oracle"] = round(statistics.median(oracle), 4) if oracle else None
+    out["refusing while idle"] = sum(  # the default refused while a replica was idle
+        1 for r in records
+        if r["policies"].get("default", {}).get("refused_idle_share", 0.0) > REFUSED_IDLE)
     out["cpu_s"] = round(sum(r.get("cpu_s", 0.0) for r in records), 1)
     return out
 
@@ -295,6 +300,8 @@ def summary_text(s: Record, elapsed_s: float, workers: int) -> str:
                  f" {s['attainment met']}/{s['attainment cells']}")
     lines.append(f"  every target: {s['all targets']}/{n}")
     lines.append(f"  median default/oracle: {s['median default/oracle']}")
+    lines.append(f"  default refusing while a replica is idle > {100 * REFUSED_IDLE:g}% of"
+                 f" the run: {s['refusing while idle']}/{n}")
     lines.append(f"elapsed: {elapsed_s:.0f} s with {workers} worker(s),"
                  f" {s['cpu_s']:.0f} CPU-seconds in the cells")
     return "\n".join(lines)

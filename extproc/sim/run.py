@@ -154,6 +154,7 @@ class Result:
     replica_s: float = 0.0
     ready_replica_s: float = 0.0
     idle_replica_s: float = 0.0
+    refused_idle_s: int = 0  # seconds of the span with a 429 while a ready replica was idle
     peak_replicas: int = 0
     final_replicas: int = 0
     events: int = 0
@@ -212,6 +213,7 @@ class Result:
             "replica_min": round(self.replica_s / 60, 2),
             "ready_replica_min": round(self.ready_replica_s / 60, 2),
             "idle_replica_min": round(self.idle_replica_s / 60, 2),
+            "refused_idle_s": self.refused_idle_s,
             "peak_replicas": self.peak_replicas, "final_replicas": self.final_replicas,
             "events": self.events,
             "groups": {g: {"attempts": t.attempts, "admitted": t.admitted,
@@ -270,6 +272,7 @@ class Simulation:
         self._prefill_rate = 0.0  # the last step decision's (the backlog's drain)
         self._view_at = -INF
         self._affinity: dict[str, Replica] = {}  # prefix key -> the replica of its last turn
+        self._refused_idle_at = -1  # the last second counted in ``refused_idle_s``
         # Every client waits the same timeout, so timeouts come due in the order they were
         # set: a FIFO instead of the heap (stale ones, for finished attempts, are skipped).
         self._timeouts: deque[tuple[float, Attempt]] = deque()
@@ -460,6 +463,11 @@ class Simulation:
         if outcome is Outcome.REJECT and self.policy.enforce:
             a.outcome = "rejected"
             res.rejected += 1
+            second = math.floor(now)
+            if (second != self._refused_idle_at and now < self.scenario.span_s
+                    and any(r.idle for r in self.ready)):
+                self._refused_idle_at = second  # refusing while a replica has nothing to do
+                res.refused_idle_s += 1
             for t in tallies:
                 t.rejected += 1
             self._window.rejected += 1
