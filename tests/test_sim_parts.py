@@ -37,3 +37,23 @@ def test_clients_honor_retry_after_within_the_sdk_limit() -> None:
     assert 0.75 <= waited <= 1.0
     assert all(0.5 * 0.75 <= client.backoff_s(0, rng) <= 0.5 for _ in range(100))
     assert client.backoff_s(10, rng) <= 8.0
+
+
+def test_refusing_while_a_replica_is_idle_is_counted_in_seconds_of_the_run() -> None:
+    """``refused_idle_s``: a policy that refuses everything refuses while the fleet is idle
+    nearly every second it is asked; slot counting on a lightly loaded fleet never does."""
+    from extproc.admission import Reason
+    from extproc.sim import families, policies
+    from extproc.sim.run import simulate
+
+    class RefuseAll(policies.NaiveSlots):
+        def decide(self, cost, true_output, snapshot, capacity, policy, now, view):  # type: ignore[no-untyped-def]
+            admit = policies._admit(cost, capacity, policy, now)
+            return policies._refuse(admit, Reason.NO_CAPACITY)
+
+    sc = families.draw("diurnal", 0, 0.3, "70b-16", 0.1).scenario
+    nothing = simulate(sc, RefuseAll(name="refuse-all"))
+    slots = simulate(sc, policies.make("naive"))
+    arrived = {int(j.arrival_s) for j in sc.jobs}
+    assert nothing.refused_idle_s >= 0.9 * len(arrived)
+    assert slots.refused_idle_s == 0 and slots.rejected == 0
