@@ -60,6 +60,17 @@ def through_the_simulator(config: config_mod.Config, work: list[Job]
     return seen
 
 
+async def ask_gate(gate: Gate, config: config_mod.Config, job: Job) -> Any:
+    """``job`` as an HTTP request through ``gate``: its verdict."""
+    path = "/v1/completions" if job.service_class == "latency" else "/batch/completions"
+    route = config.route(path)
+    assert route is not None
+    body: dict[str, Any] = {"model": "m", "prompt": "x" * (4 * job.prompt_tokens)}
+    if job.max_tokens is not None:
+        body["max_tokens"] = job.max_tokens
+    return await gate.check(route, path, {}, json.dumps(body).encode())
+
+
 async def through_the_gate(config: config_mod.Config, work: list[Job]
                            ) -> list[tuple[Snapshot, Any]]:
     now = [0.0]
@@ -68,14 +79,8 @@ async def through_the_gate(config: config_mod.Config, work: list[Job]
     seen = []
     for job in work:
         now[0] = job.arrival_s
-        path = "/v1/completions" if job.service_class == "latency" else "/batch/completions"
-        route = config.route(path)
-        assert route is not None
-        body: dict[str, Any] = {"model": "m", "prompt": "x" * (4 * job.prompt_tokens)}
-        if job.max_tokens is not None:
-            body["max_tokens"] = job.max_tokens
         snapshot = await ledger.snapshot("llm")
-        verdict = await gate.check(route, path, {}, json.dumps(body).encode())
+        verdict = await ask_gate(gate, config, job)
         seen.append((snapshot, verdict))
     for _, verdict in seen:
         if verdict.ticket is not None:
@@ -158,12 +163,6 @@ async def test_gate_and_simulator_learn_alike(seed: int) -> None:
     learning.arrived = arrived  # type: ignore[method-assign]
     for job in work:
         now[0] = job.arrival_s
-        path = "/v1/completions" if job.service_class == "latency" else "/batch/completions"
-        route = config.route(path)
-        assert route is not None
-        body: dict[str, Any] = {"model": "m", "prompt": "x" * (4 * job.prompt_tokens)}
-        if job.max_tokens is not None:
-            body["max_tokens"] = job.max_tokens
-        await gate.check(route, path, {}, json.dumps(body).encode())
+        await ask_gate(gate, config, job)
     assert len(before_gate) == len(before_sim) == len(work)
     assert before_gate == before_sim
