@@ -84,7 +84,8 @@ bench: setup
 bench-memory: setup
 	$(PY) benchmarks/memory.py
 
-# The evaluation matrix (~15 min on 2 cores; extproc/sim/evaluate.py says what it runs), then
+# The evaluation matrix (45 min or more on 2 cores since the three long families: one worker
+# had not finished after 88 CPU-minutes; extproc/sim/evaluate.py says what it runs), then
 # the autoscaling section (~1 min), into out/eval/. Arguments through EVAL_ARGS, e.g.
 # `make eval EVAL_ARGS=--reduced`.
 eval: setup
