@@ -25,8 +25,8 @@ The invariants (``docs/admission.md``):
   level follows the model's admissions closely, and probes past them only where the model
   refuses and measurement says it need not. So refusals that measurement does not back loosen
   by themselves: from the strictest state (one request per replica) the level grows by half
-  each time the requests admitted at its top reach their deadline in time (16 per replica in
-  seven deadlines).
+  each time the requests admitted at its top reach their deadline in time (a 16-slot pool is
+  full again within ten deadlines: ``tests/test_no_harm.py``).
 - **Back-off.** Misses of requests admitted at the top beyond what the baseline allows, by more
   than a Poisson deviation (``over``), cut the level by ``BACKOFF``; the evidence starts again.
 - **Unavoidable misses never tighten.** The baseline is the miss rate measured at low load
