@@ -77,7 +77,9 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
         return None, 0
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
-    seen_n = math.floor(learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9))
+    held = learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9)
+    slots = capacity.replicas * capacity.engine.max_num_seqs
+    seen_n = math.floor(held) if math.isfinite(held) else slots  # unmeasured: the slots
     limit = max(admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean),
                 seen_n)  # the model's, or what was measured (``extproc.level``)
     swing = learning.limit.std
@@ -103,10 +105,12 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
             seen, outcome=Outcome.REJECT,
             reason=Reason.FAIR_SHARE if over else Reason.PRIORITY,
             retry_after_ms=max(1.0, seen.retry_after_ms or 0.0)), limit
-    assert seen.ceiling_ms is not None and seen.max_inflight is not None
-    assert decision.ceiling_ms is not None and decision.max_inflight is not None
+    assert seen.max_inflight is not None and decision.max_inflight is not None
+    ceilings = [c for c in (decision.ceiling_ms,
+                            None if seen.ceiling_ms is None else seen.ceiling_ms - kept * mean_ms)
+                if c is not None]
     return dataclasses.replace(
-        decision, ceiling_ms=min(decision.ceiling_ms, seen.ceiling_ms - kept * mean_ms),
+        decision, ceiling_ms=min(ceilings) if ceilings else None,
         max_inflight=min(decision.max_inflight, seen.max_inflight - kept)), limit
 
 

@@ -14,9 +14,14 @@ short one was seen to fit.
 
 The invariants (``docs/admission.md``):
 
-- **Work conservation and cold start.** While a replica has nothing to do (fewer requests in
-  flight than ready replicas), a feasible request is admitted, whatever the learned state,
-  and no room is kept for higher priorities (``extproc.step``).
+- **Work conservation.** While a replica has nothing to do (fewer requests in flight than
+  ready replicas), a feasible request is admitted, whatever the learned state, and no room is
+  kept for higher priorities (``extproc.step``).
+- **Cold start.** A fresh level is unmeasured (infinite): until the pool is seen to miss,
+  what the engines hold (free slots and KV cache) is admitted, as slot counting would, and
+  every resolution counts as the top. The first back-off sets it to ``BACKOFF x`` the work per
+  replica the pool was run at (the decayed mean of those resolutions' ``at``); from then on it
+  is measured. A gateway that starts strict would wait a deadline for each step up.
 - **Recovery.** A hit of a request admitted at the top of the level (``at >= FRONTIER x
   level``) is evidence that the pool serves ``at`` in time: the level rises to what that
   supports if it is higher. If the level admitted it (the model had refused), that is
@@ -62,7 +67,7 @@ class Level:
     """The measured level of one pool (module docstring), in the ledger's unit: outstanding
     work (ms of GPU time, ``Decision.service_ms`` each) per ready replica."""
 
-    level_ms: float = 0.0
+    level_ms: float = math.inf  # unmeasured: the engines' own limits (slots, KV) bound it
     probing: bool = True  # no back-off in the last ``CLEAN`` top resolutions (else ``CREEP``)
     _since: int = 0  # top resolutions since the last back-off
     target: float = 0.99  # of admitted requests in time (``extproc.learning``'s target)
@@ -73,6 +78,7 @@ class Level:
     _top: float = 0.0  # resolutions at the top since the last back-off, decayed
     _top_missed: float = 0.0
     _top_allowed: float = 0.0  # ... the misses the baseline allows them
+    _top_at: float = 0.0  # ... and their work per replica (the level the pool was run at)
 
     def admits(self, work_ms: float, replicas: int) -> bool:
         """Whether the level covers ``work_ms`` outstanding, a new request's included."""
@@ -102,19 +108,21 @@ class Level:
         if alone:
             self._low += 1.0
             self._low_missed += 1.0 if missed else 0.0
-        if at_ms < FRONTIER * level_ms:
-            return
+        if math.isfinite(level_ms) and at_ms < FRONTIER * level_ms:
+            return  # below the top (while the level is unmeasured, everything is the top)
         self._since += 1
         if self._since >= CLEAN:
             self.probing = True
         self._top = self._top * MEMORY + 1.0
         self._top_missed = self._top_missed * MEMORY + (1.0 if missed else 0.0)
+        self._top_at = self._top_at * MEMORY + at_ms
         base = self.baseline
         self._top_allowed = self._top_allowed * MEMORY + base + (1.0 - base) * (1.0 - self.target)
         if missed and self.over:
-            self.level_ms *= BACKOFF
+            run_at = self.level_ms if math.isfinite(self.level_ms) else self._top_at / self._top
+            self.level_ms = BACKOFF * run_at
             self.probing, self._since = False, 0
-            self._top = self._top_missed = self._top_allowed = 0.0
+            self._top = self._top_missed = self._top_allowed = self._top_at = 0.0
         elif not missed:
             factor = (PROBE if self.probing else CREEP) if measured else 1.0
             self.level_ms = max(self.level_ms, at_ms * factor, at_ms + step_ms)
@@ -143,6 +151,7 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     work = snapshot.outstanding_ms + decision.service_ms
     if n + 1 > free or not (n < replicas or level.admits(work, replicas)):
         return None
+    ceiling = level.level_ms * replicas
     return dataclasses.replace(
         decision, outcome=Outcome.ADMIT, reason=Reason.MEASURED, retry_after_ms=None,
-        ceiling_ms=max(work, level.level_ms * replicas), max_inflight=free)
+        ceiling_ms=max(work, ceiling) if math.isfinite(ceiling) else None, max_inflight=free)

@@ -215,27 +215,23 @@ def test_keda_scales_down_only_after_its_window() -> None:
 
 TARGETS = ("naive", "saturation", "tuned", "attainment")
 GAPS = {
-    ("multi-turn", "naive"): "0.87x naive: two-minute conversations end before the measured"
-                             " level has grown to what 16 slots sustain",
-    ("multi-turn", "tuned"): "0.87x the tuned limit (16, naive's)",
-    ("flash-crowd", "naive"): "0.90x naive: the crowd arrives while the promise is strict",
-    ("flash-crowd", "tuned"): "0.90x the tuned limit (16, naive's)",
-    ("azure-conv", "naive"): "0.90x naive on a two-minute slice of the trace",
-    ("azure-conv", "tuned"): "0.90x the tuned limit (16, naive's)",
-    ("class-mix", "attainment"): "98.95%: TTFT misses of the latency class, which the"
-                                 " gateway does not measure",
     ("summarisation", "tuned"): "0.67x the tuned limit of 10: KV-bound documents whose"
                                 " prefill stalls the decodes beside them",
-    ("output-tail", "naive"): "0.89x naive in a quarter of the run: one answer in five cannot"
-                              " finish in time even alone, and the measured level grows from"
-                              " one request per replica",
-    ("output-tail", "tuned"): "0.89x the tuned limit (16, naive's)",
-    ("noisy-neighbour", "naive"): "0.965x naive: fair shares keep room for the steady tenant"
+    ("noisy-neighbour", "naive"): "0.94x naive: fair shares keep room for the steady tenant"
                                   " that the burst could have used",
-    ("priority", "naive"): "0.24x naive in a 55 s run: the room kept for higher priorities'"
-                           " expected arrivals, while the promise is strict",
-    ("priority", "saturation"): "0.32x the saturation detector (the same reserve)",
-    ("priority", "tuned"): "0.24x the tuned limit (the same reserve)",
+    ("noisy-neighbour", "tuned"): "0.94x the tuned limit (16, naive's)",
+    ("diurnal", "naive"): "0.975x naive: TTFT refusals at the ramp's top",
+    ("multi-turn", "naive"): "0.984x naive",
+    ("multi-turn", "attainment"): "97.6%: the unmeasured level runs at the slots, as naive"
+                                  " (98.0%), and 2-3% misses are below what ~50 resolutions"
+                                  " can tell from the target",
+    ("priority", "naive"): "0.984x naive: the room kept for critical arrivals",
+    ("priority", "attainment"): "97.6% (naive's 96.8%): the slots are used, as naive",
+    ("output-tail", "naive"): "0.984x naive: one answer in five cannot finish in time alone",
+    ("flash-crowd", "attainment"): "97.5% (naive's 98.7%) at 1.12x naive's goodput",
+    ("azure-conv", "naive"): "0.995x naive on a two-minute slice of the trace",
+    ("class-mix", "attainment"): "98.9%: TTFT misses of the latency class, which the"
+                                 " gateway does not measure",
 }
 
 

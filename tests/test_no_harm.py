@@ -87,10 +87,36 @@ def generation(learning: PoolLearning, now: float, missed: float = 0.0) -> tuple
     return len(admitted), later
 
 
+def strictest() -> PoolLearning:
+    """The bimodal pool with its level at the bottom: one request per replica."""
+    learning = bimodal()
+    learning.level.level_ms = 0.0
+    return learning
+
+
 def test_the_model_alone_is_strict_here() -> None:
     """The premise: without measurement, the strict promise lets one request per replica in."""
+    assert decide_at(strictest(), R, 0.0).reason is Reason.DEADLINE
+
+
+def test_cold_start_a_fresh_gateway_fills_the_slots_until_it_sees_misses() -> None:
+    """Unmeasured, the level is the engines' own limits: every slot is used, whatever the
+    strict model says; misses at the top that low load does not have set a finite level,
+    below the work the pool was run at."""
     learning = bimodal()
-    assert decide_at(learning, R, 0.0).reason is Reason.DEADLINE
+    admitted = fill(learning, 0.0)
+    assert len(admitted) == R * SLOTS
+    assert sum(a.reason is Reason.MEASURED for a in admitted) > R * SLOTS // 2
+    level = Level()
+    for _ in range(40):
+        level.settled(False, 1000.0, level.level_ms, 250.0, alone=True)
+    assert math.isinf(level.level_ms)  # in time alone: still unmeasured
+    seen = []
+    for i in range(20):  # run at 8 s of work per replica, every other request misses
+        level.settled(i % 2 == 0, 8000.0, level.level_ms, 250.0)
+        seen.append(level.level_ms)
+    assert math.isfinite(seen[-1])
+    assert 0.0 < min(seen) <= 8000.0 * 0.8 + 1e-6
 
 
 def test_cold_start_a_fresh_gateway_on_an_idle_fleet_admits_every_priority() -> None:
@@ -103,7 +129,7 @@ def test_cold_start_a_fresh_gateway_on_an_idle_fleet_admits_every_priority() -> 
 
 
 def test_work_conservation_free_slots_at_a_measured_level_are_used() -> None:
-    learning = bimodal()
+    learning = strictest()
     for n in range(R):  # a replica with nothing to do: admitted, whatever the promise
         assert decide_at(learning, n, 0.0).runs
     now = 0.0
@@ -118,7 +144,7 @@ def test_work_conservation_free_slots_at_a_measured_level_are_used() -> None:
 
 
 def test_recovery_from_the_strictest_state_in_a_few_deadlines() -> None:
-    learning = bimodal()
+    learning = strictest()
     promise = learning.promise("latency")
     promise.x = math.log(0.005 / 0.995)  # the strictest promise ...
     for _ in range(100):
@@ -136,7 +162,7 @@ def test_recovery_from_the_strictest_state_in_a_few_deadlines() -> None:
 def test_unavoidable_misses_do_not_tighten_the_level() -> None:
     """One request in four misses at every level, alone or in a full pool: no admission
     level prevents it, so the level still climbs to the slots."""
-    learning = bimodal()
+    learning = strictest()
     now, seen = 0.0, []
     for _ in range(16):
         admitted, now = generation(learning, now, missed=0.25)
