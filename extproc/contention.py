@@ -7,7 +7,10 @@ of priorities, fair shares and tenant caps (the rules themselves, pure, are
 - ``room_for_others``: an admitted request of a lower priority, or of a tenant over its share
   of a contended pool, must still fit after the reserve kept for the traffic it must not crowd
   out (refused ``PRIORITY`` or ``FAIR_SHARE``); otherwise its ledger checks are tightened by
-  that room.
+  that room. Shares are of what the model admits, and what the measured level admits past
+  the model (``extproc.level``) goes only to tenants within their share: a burst asks most,
+  and would otherwise take the level's probes (measured: a steady tenant kept 0.51x its
+  goodput alone beside a neighbour's burst on 70b-16 at 1.5x, 1.0x now).
 - ``admission_limit``: the most requests the pool holds while one like this is still admitted,
   the level shares are counted against and the reserve's departures are measured at.
 """
@@ -77,16 +80,17 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
         return None, 0
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
-    held = learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9)
-    slots = capacity.replicas * capacity.engine.max_num_seqs
-    seen_n = math.floor(held) if math.isfinite(held) else slots  # unmeasured: the slots
+    seen_n = math.floor(learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9))
     limit = max(admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean),
                 seen_n)  # the model's, or what was measured (``extproc.level``)
     swing = learning.limit.std
     over = False
     if tenant is not None and several:
+        # Shares of what the model admits: the measured level, which may be higher, is
+        # probed by whoever asks, and a burst asks most (it would be nobody's over-share).
+        model = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
         under = _under_their_share(tenant, decision, config, learning, snapshot,
-                                   limit * mean_ms, mean_ms, share, now)
+                                   model * mean_ms, mean_ms, share, now)
         over = under is not None
         protected += under or []
     if not protected:
@@ -99,18 +103,17 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
                                 outstanding_ms=snapshot.outstanding_ms + kept * mean_ms,
                                 kv_tokens=round(snapshot.kv_tokens + kept * mean_kv))
     seen = decide(cost, ahead, capacity, policy, now)
-    seen = measured(seen, cost, ahead, capacity, learning.level) or seen
+    if not over:  # what the level admits past the model goes to tenants within their share
+        seen = measured(seen, cost, ahead, capacity, learning.level) or seen
     if not seen.admitted:
         return dataclasses.replace(
             seen, outcome=Outcome.REJECT,
             reason=Reason.FAIR_SHARE if over else Reason.PRIORITY,
             retry_after_ms=max(1.0, seen.retry_after_ms or 0.0)), limit
-    assert seen.max_inflight is not None and decision.max_inflight is not None
-    ceilings = [c for c in (decision.ceiling_ms,
-                            None if seen.ceiling_ms is None else seen.ceiling_ms - kept * mean_ms)
-                if c is not None]
+    assert seen.ceiling_ms is not None and seen.max_inflight is not None
+    assert decision.ceiling_ms is not None and decision.max_inflight is not None
     return dataclasses.replace(
-        decision, ceiling_ms=min(ceilings) if ceilings else None,
+        decision, ceiling_ms=min(decision.ceiling_ms, seen.ceiling_ms - kept * mean_ms),
         max_inflight=min(decision.max_inflight, seen.max_inflight - kept)), limit
 
 

@@ -332,6 +332,7 @@ class PoolLearning:
         self._due: list[tuple[float, str]] = []
         self._ended: dict[str, tuple[Running, bool]] = {}
         self.level = Level(target=TARGET_ATTAINMENT)  # what the pool was seen to serve in time
+        self._cut_at = -math.inf  # when the level last backed off (``completed``'s evidence)
         self.backlog = Backlog()
         self.limit = Spread()  # the admission limit demoted requests meet (extproc.step)
 
@@ -397,22 +398,33 @@ class PoolLearning:
             running = self._running.get(key)
             if running is not None:
                 running.missed = True
-                self._resolved(running, True)
+                self._resolved(running, True, now)
                 continue
             ended = self._ended.pop(key, None)
             if ended is not None:
-                self._resolved(*ended)
+                self._resolved(*ended, now)
 
-    def _resolved(self, running: Running, missed: bool) -> None:
+    def _resolved(self, running: Running, missed: bool, now: float) -> None:
         """One admitted request's outcome, for its class's promise (unless the measured level
         admitted it against the model: ``extproc.level``) and for the measured level."""
         if not running.measured:
             self.promise(running.service_class).settled(missed, _chance(running),
                                                         running.unavoidable)
         if running.level_ms >= 0:
+            before = self.level.level_ms
             self.level.settled(missed, running.at_ms, running.level_ms, running.charge_ms,
-                               alone=running.alone, unavoidable=running.unavoidable,
-                               measured=running.measured)
+                               alone=running.alone, unavoidable=running.unavoidable)
+            if self.level.level_ms < before:
+                self._cut_at = now
+
+    def _completed(self, running: Running) -> None:
+        """An admitted request completed within its deadline: the measured level may rise at
+        once (``Level.completed``: the way up is clocked by completions, as TCP's slow start
+        is by acknowledgements, not by deadlines), unless it was admitted before the level's
+        last back-off (evidence the back-off has already weighed)."""
+        if running.level_ms >= 0 and running.started >= self._cut_at:
+            self.level.completed(running.at_ms, running.level_ms, running.charge_ms,
+                                 measured=running.measured)
 
     def _own(self, service_class: str) -> Lengths:
         own = self.class_lengths.get(service_class)
@@ -504,6 +516,8 @@ class PoolLearning:
         running = self._running.pop(key, None) if key is not None else None
         if running is not None:  # whatever the estimate says, its prompt is prefilled
             self.backlog.tokens = max(0.0, self.backlog.tokens - running.prompt_tokens)
+        if running is not None and completed and not missed:
+            self._completed(running)
         if key is not None and running is not None and math.isfinite(running.deadline_s):
             if not running.missed and (missed or completed):
                 self._ended[key] = (running, missed)
@@ -511,7 +525,7 @@ class PoolLearning:
             if running is None:
                 self.promise(service_class).settled(missed, unavoidable, unavoidable)
             else:
-                self._resolved(running, missed)
+                self._resolved(running, missed, now)
         if not batch:
             self.demand.served(seconds, now)
         for group in groups:

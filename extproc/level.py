@@ -3,8 +3,9 @@
 The admission model (``extproc.admission.decide``, held to its target by the promise,
 ``extproc.learning.Promise``) predicts; this measures. Every admitted request is resolved when
 its deadline comes (``PoolLearning.resolve``): a hit or a miss, at the level it was admitted
-at, ``at = (outstanding work, its own included) / ready replicas`` from the ledger's snapshot
-(every gateway's requests, so each gateway replica measures the same pool). The step
+at (a hit raises the level already when it completes), ``at = (outstanding work, its own
+included) / ready replicas`` from the ledger's snapshot (every gateway's requests, so each
+gateway replica measures the same pool). The step
 (``extproc.step.admit``) admits a feasible request the model refused whenever the pool holds
 less work than ``level x replicas`` (or a replica has nothing to do) and a replica has a free
 slot for it (its sequence limit and its KV cache): the model may admit more than the measured
@@ -17,23 +18,25 @@ The invariants (``docs/admission.md``):
 - **Work conservation.** While a replica has nothing to do (fewer requests in flight than
   ready replicas), a feasible request is admitted, whatever the learned state, and no room is
   kept for higher priorities (``extproc.step``).
-- **Cold start.** A fresh level is unmeasured (infinite): until the pool is seen to miss,
-  what the engines hold (free slots and KV cache) is admitted, as slot counting would, and
-  every resolution counts as the top. The first back-off sets it to ``BACKOFF x`` the work per
-  replica the pool was run at (the decayed mean of those resolutions' ``at``); from then on it
-  is measured. A gateway that starts strict would wait a deadline for each step up.
-- **Recovery.** A hit of a request admitted at the top of the level (``at >= FRONTIER x
-  level``) is evidence that the pool serves ``at`` in time: the level rises to what that
-  supports if it is higher. If the level admitted it (the model had refused), that is
-  ``PROBE x at`` (a slow start, as TCP's), or ``CREEP x at`` within ``CLEAN`` top resolutions
-  of a back-off; if the model admitted it, ``at`` plus its own charge (one request more): the
-  level follows the model's admissions closely, and probes past them only where the model
-  refuses and measurement says it need not. So refusals that measurement does not back loosen
-  by themselves: from the strictest state (one request per replica) the level grows by half
-  each time the requests admitted at its top reach their deadline in time (a 16-slot pool is
-  full again within ten deadlines: ``tests/test_no_harm.py``).
+- **Cold start.** A fresh level is 0: the model decides, and the idle replicas are used
+  (work conservation). A burst that reaches a fresh gateway before anything has ended gets
+  what the model admits, not every free slot: the level is what was *seen*, and nothing was.
+- **Recovery.** A request admitted at the top of the level (``at >= FRONTIER x level``) that
+  completes within its deadline is evidence that the pool serves ``at`` in time: the level
+  rises at once (``completed``: clocked by completions, as TCP's slow start is by
+  acknowledgements, not by deadlines) to what that supports if it is higher. If the level
+  admitted it (the model had refused), that is ``PROBE x at``, or ``CREEP x at`` within
+  ``CLEAN`` top resolutions of a back-off; if the model admitted it, ``at`` plus its own charge
+  (one request more): the level follows the model's admissions closely, and probes past them
+  only where the model refuses and measurement says it need not. So refusals that measurement
+  does not back loosen by themselves, as fast as the pool's answers end: from nothing, a
+  16-slot pool whose answers end in a second is full within a dozen seconds of a 20 s deadline
+  (``tests/test_no_harm.py``). Completions of requests admitted before a back-off do not undo
+  it (``PoolLearning``).
 - **Back-off.** Misses of requests admitted at the top beyond what the baseline allows, by more
-  than a Poisson deviation (``over``), cut the level by ``BACKOFF``; the evidence starts again.
+  than a Poisson deviation (``over``), resolved at their deadline (``settled``: a long answer
+  may still miss after the short ones beside it ended), cut the level by ``BACKOFF``; the
+  evidence starts again.
 - **Unavoidable misses never tighten.** The baseline is the miss rate measured at low load
   (requests admitted while a replica had nothing to do), with the model's chance of
   missing even alone (``extproc.step.unavoidable``) as its prior for ``PRIOR_REQUESTS``
@@ -67,7 +70,7 @@ class Level:
     """The measured level of one pool (module docstring), in the ledger's unit: outstanding
     work (ms of GPU time, ``Decision.service_ms`` each) per ready replica."""
 
-    level_ms: float = math.inf  # unmeasured: the engines' own limits (slots, KV) bound it
+    level_ms: float = 0.0  # unmeasured: the model and the idle replicas decide
     probing: bool = True  # no back-off in the last ``CLEAN`` top resolutions (else ``CREEP``)
     _since: int = 0  # top resolutions since the last back-off
     target: float = 0.99  # of admitted requests in time (``extproc.learning``'s target)
@@ -77,8 +80,7 @@ class Level:
     _priors: float = 0.0
     _top: float = 0.0  # resolutions at the top since the last back-off, decayed
     _top_missed: float = 0.0
-    _top_allowed: float = 0.0  # ... the misses the baseline allows them
-    _top_at: float = 0.0  # ... and their work per replica (the level the pool was run at)
+    _top_allowed: float = 0.0  # ... and the misses the baseline allows them
 
     def admits(self, work_ms: float, replicas: int) -> bool:
         """Whether the level covers ``work_ms`` outstanding, a new request's included."""
@@ -97,35 +99,42 @@ class Level:
         return self._top_missed > allowed + 2.0 * math.sqrt(allowed) + 1.0
 
     def settled(self, missed: bool, at_ms: float, level_ms: float, step_ms: float, *,
-                alone: bool = False, unavoidable: float = 0.0, measured: bool = False) -> None:
+                alone: bool = False, unavoidable: float = 0.0) -> None:
         """A request admitted with ``at_ms`` of work per replica outstanding (its own
-        included), when the level was ``level_ms``, was resolved: ``missed`` its deadline or
-        not. ``step_ms``: its own charge per replica (one request more); ``alone``: a replica
-        had nothing to do when it was admitted; ``unavoidable``: the model's chance that it
-        misses even alone; ``measured``: the level admitted it (the model had refused)."""
+        included), when the level was ``level_ms``, was resolved at its deadline: ``missed``
+        it or not. ``step_ms``: its own charge per replica (one request more); ``alone``: a
+        replica had nothing to do when it was admitted; ``unavoidable``: the model's chance
+        that it misses even alone. Misses at the top beyond the baseline cut the level; a hit
+        raised it already, when it completed (``completed``)."""
         self._prior += unavoidable
         self._priors += 1.0
         if alone:
             self._low += 1.0
             self._low_missed += 1.0 if missed else 0.0
-        if math.isfinite(level_ms) and at_ms < FRONTIER * level_ms:
-            return  # below the top (while the level is unmeasured, everything is the top)
+        if at_ms < FRONTIER * level_ms:
+            return  # below the top
         self._since += 1
         if self._since >= CLEAN:
             self.probing = True
         self._top = self._top * MEMORY + 1.0
         self._top_missed = self._top_missed * MEMORY + (1.0 if missed else 0.0)
-        self._top_at = self._top_at * MEMORY + at_ms
         base = self.baseline
         self._top_allowed = self._top_allowed * MEMORY + base + (1.0 - base) * (1.0 - self.target)
         if missed and self.over:
-            run_at = self.level_ms if math.isfinite(self.level_ms) else self._top_at / self._top
-            self.level_ms = BACKOFF * run_at
+            self.level_ms *= BACKOFF
             self.probing, self._since = False, 0
-            self._top = self._top_missed = self._top_allowed = self._top_at = 0.0
-        elif not missed:
-            factor = (PROBE if self.probing else CREEP) if measured else 1.0
-            self.level_ms = max(self.level_ms, at_ms * factor, at_ms + step_ms)
+            self._top = self._top_missed = self._top_allowed = 0.0
+
+    def completed(self, at_ms: float, level_ms: float, step_ms: float, *,
+                  measured: bool = False) -> None:
+        """A request admitted at ``at_ms`` (the level ``level_ms`` then) completed within its
+        deadline: if it ran at the top, the pool served ``at_ms`` in time, and the level rises
+        to what that supports at once (its statistics wait for its deadline: ``settled``).
+        ``measured``: the level admitted it (the model had refused)."""
+        if at_ms < FRONTIER * level_ms:
+            return
+        factor = (PROBE if self.probing else CREEP) if measured else 1.0
+        self.level_ms = max(self.level_ms, at_ms * factor, at_ms + step_ms)
 
     def decay(self, factor: float) -> None:
         """Forget a round's worth of the low-load baseline (as the lengths are forgotten)."""
@@ -151,7 +160,6 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     work = snapshot.outstanding_ms + decision.service_ms
     if n + 1 > free or not (n < replicas or level.admits(work, replicas)):
         return None
-    ceiling = level.level_ms * replicas
     return dataclasses.replace(
         decision, outcome=Outcome.ADMIT, reason=Reason.MEASURED, retry_after_ms=None,
-        ceiling_ms=max(work, ceiling) if math.isfinite(ceiling) else None, max_inflight=free)
+        ceiling_ms=max(work, level.level_ms * replicas), max_inflight=free)

@@ -319,7 +319,7 @@ class _Promises:
         level = GaugeMetricFamily(
             "extproc_measured_level_seconds", "Outstanding GPU work per ready replica the pool"
             " was measured to finish in time: admitted within it whatever the model predicts"
-            " (+Inf until the pool is first seen to miss; extproc/level.py).", labels=["pool"])
+            " (extproc/level.py).", labels=["pool"])
         settled = CounterMetricFamily(
             "extproc_promise_settled", "Admitted requests resolved for the promise at their"
             " deadline: completed within it (hit) or not (miss).",

@@ -87,6 +87,15 @@ def generation(learning: PoolLearning, now: float, missed: float = 0.0) -> tuple
     return len(admitted), later
 
 
+def end(learning: PoolLearning, admitted: list[Admission], started: float, seconds: float,
+        deadline_s: float = DEADLINE_S) -> None:
+    """The requests ``fill`` admitted at ``started`` end, completed, after ``seconds``."""
+    for i, adm in enumerate(admitted):
+        learning.settled(adm.service_class, batch=False, seconds=seconds, deadline_s=deadline_s,
+                         completed=True, unavoidable=adm.unavoidable, now=started + seconds,
+                         key=f"{started}/{i}")
+
+
 def strictest() -> PoolLearning:
     """The bimodal pool with its level at the bottom: one request per replica."""
     learning = bimodal()
@@ -99,24 +108,47 @@ def test_the_model_alone_is_strict_here() -> None:
     assert decide_at(strictest(), R, 0.0).reason is Reason.DEADLINE
 
 
-def test_cold_start_a_fresh_gateway_fills_the_slots_until_it_sees_misses() -> None:
-    """Unmeasured, the level is the engines' own limits: every slot is used, whatever the
-    strict model says; misses at the top that low load does not have set a finite level,
-    below the work the pool was run at."""
+def test_cold_start_a_burst_on_a_fresh_gateway_is_not_let_past_the_model() -> None:
+    """Unmeasured, the level trusts the model and the idle replicas: a burst that arrives at
+    once, before anything has ended, gets what the model admits, not every free slot."""
+    admitted = fill(bimodal(), 0.0)
+    assert R <= len(admitted) <= 2 * R, len(admitted)
+
+
+def test_cold_start_the_level_climbs_as_requests_complete_not_as_deadlines_come() -> None:
+    """The way up is clocked by completions in time (as TCP's slow start is by
+    acknowledgements): short answers that end in a second raise the level within seconds
+    of a 20 s deadline, before any deadline has come."""
     learning = bimodal()
-    admitted = fill(learning, 0.0)
-    assert len(admitted) == R * SLOTS
-    assert sum(a.reason is Reason.MEASURED for a in admitted) > R * SLOTS // 2
-    level = Level()
-    for _ in range(40):
-        level.settled(False, 1000.0, level.level_ms, 250.0, alone=True)
-    assert math.isinf(level.level_ms)  # in time alone: still unmeasured
-    seen = []
-    for i in range(20):  # run at 8 s of work per replica, every other request misses
-        level.settled(i % 2 == 0, 8000.0, level.level_ms, 250.0)
-        seen.append(level.level_ms)
-    assert math.isfinite(seen[-1])
-    assert 0.0 < min(seen) <= 8000.0 * 0.8 + 1e-6
+    now, seen = 0.0, []
+    for _ in range(12):  # each round: fill, every request ends in time after 1 s
+        admitted = fill(learning, now)
+        seen.append(len(admitted))
+        end(learning, admitted, now, 1.0)
+        now += 1.0
+    assert now < DEADLINE_S  # no deadline has come
+    assert seen[0] <= 2 * R and seen[-1] == R * SLOTS, seen
+
+
+def test_cold_start_misses_after_the_climb_back_it_off() -> None:
+    """Evidence the other way: requests run at the top that miss beyond the low-load
+    baseline cut the level below the work they were run at, and completions of requests
+    admitted before that cut do not undo it."""
+    learning = bimodal()
+    now = 0.0
+    for _ in range(8):
+        end(learning, fill(learning, now), now, 1.0)
+        now += 1.0
+    climbed = learning.level.level_ms
+    assert climbed > 0.0
+    late = fill(learning, now)  # these all miss ...
+    early = fill(learning, now + 0.5)  # ... and these, admitted beside them, end in time
+    end(learning, late, now, DEADLINE_S * 1.5)
+    learning.refresh(now + DEADLINE_S * 2)
+    cut = learning.level.level_ms
+    assert cut < climbed
+    end(learning, early, now + 0.5, DEADLINE_S * 2, deadline_s=DEADLINE_S * 3)
+    assert learning.level.level_ms == cut
 
 
 def test_cold_start_a_fresh_gateway_on_an_idle_fleet_admits_every_priority() -> None:
@@ -178,7 +210,7 @@ def test_misses_that_only_load_causes_cut_the_level() -> None:
     level.level_ms, level.probing = 10_000.0, False  # past its slow start
     seen = []
     for i in range(30):  # every other request at the top misses
-        level.settled(i % 2 == 0, 10_000.0, 10_000.0, 250.0, measured=True)
+        level.settled(i % 2 == 0, 10_000.0, 10_000.0, 250.0)
         seen.append(level.level_ms)
     assert min(seen) <= max(seen) * 0.8
     assert max(seen) <= 10_000.0 * 1.1  # never far past what was measured

@@ -156,7 +156,6 @@ def noisy(fleet: str, load: float) -> tuple[float, float, float, float]:
 
 
 NOISY_GAPS = {  # measured: A's goodput during the burst / alone
-    ("8b-vllm", 0.8): "A keeps 0.93x its goodput alone",
     ("8b-vllm", 1.5): "A keeps 0.61x: on a 1024-sequence fleet the deadline bounds the batch,"
                       " and the limit it sets swings with the learned prompt mean",
     ("70b-vllm", 1.5): "A keeps 0.66x (KV- and deadline-bound, as on 8b-vllm)",
