@@ -464,7 +464,7 @@ class Simulation:
             a.outcome = "rejected"
             res.rejected += 1
             second = math.floor(now)
-            if (second != self._refused_idle_at and now < self.scenario.span_s
+            if (second != self._refused_idle_at and now < res.span_s
                     and any(r.idle for r in self.ready)):
                 self._refused_idle_at = second  # refusing while a replica has nothing to do
                 res.refused_idle_s += 1
