@@ -110,4 +110,8 @@ def test_run_it_yourself_works_as_written(manual_stack: dict[int, int], tmp_path
               (line.split() for line in done.stdout.splitlines() if "extproc" not in line)}
     assert set(counts) == {200, 429} and sum(counts.values()) == 200, done.stdout
     assert counts[429] >= 100, counts
-    assert 'outcome="reject"' in done.stdout and 'reason="deadline"' in done.stdout
+    # Refused by the decision (deadline) or, before it, by the sidecar's own shedding
+    # (processor_overloaded): on a loaded 2-core machine 200 curls at once may all queue for
+    # the sidecar past shed_wait_ms, as the README says.
+    reasons = set(re.findall(r'outcome="reject",pool="[^"]*",reason="([a-z_]+)"', done.stdout))
+    assert reasons and reasons <= {"deadline", "processor_overloaded"}, done.stdout
