@@ -81,14 +81,13 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
     seen_n = math.floor(learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9))
-    limit = max(admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean),
-                seen_n)  # the model's, or what was measured (``extproc.level``)
+    model = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
+    limit = max(model, seen_n)  # the model's, or what was measured (``extproc.level``)
     swing = learning.limit.std
     over = False
     if tenant is not None and several:
         # Shares of what the model admits: the measured level, which may be higher, is
         # probed by whoever asks, and a burst asks most (it would be nobody's over-share).
-        model = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
         under = _under_their_share(tenant, decision, config, learning, snapshot,
                                    model * mean_ms, mean_ms, share, now)
         over = under is not None

@@ -22,17 +22,17 @@ The invariants (``docs/admission.md``):
   (work conservation). A burst that reaches a fresh gateway before anything has ended gets
   what the model admits, not every free slot: the level is what was *seen*, and nothing was.
 - **Recovery.** A request admitted at the top of the level (``at >= FRONTIER x level``) that
-  completes within its deadline is evidence that the pool serves ``at`` in time: the level
-  rises at once (``completed``: clocked by completions, as TCP's slow start is by
-  acknowledgements, not by deadlines) to what that supports if it is higher. If the level
-  admitted it (the model had refused), that is ``PROBE x at``, or ``CREEP x at`` within
-  ``CLEAN`` top resolutions of a back-off; if the model admitted it, ``at`` plus its own charge
-  (one request more): the level follows the model's admissions closely, and probes past them
-  only where the model refuses and measurement says it need not. So refusals that measurement
-  does not back loosen by themselves, as fast as the pool's answers end: from nothing, a
-  16-slot pool whose answers end in a second is full within a dozen seconds of a 20 s deadline
-  (``tests/test_no_harm.py``). Completions of requests admitted before a back-off do not undo
-  it (``PoolLearning``).
+  completes within its deadline is evidence that the pool serves ``at`` in time: the level rises
+  at once (``completed``: clocked by completions, as TCP's slow start is by acknowledgements,
+  not by deadlines) to what that supports if it is higher. If the level admitted it (the model
+  had refused), that is ``PROBE x at`` (slow start), or ``CREEP x at`` within ``CLEAN`` top
+  resolutions of a back-off; if the model admitted it, ``at`` plus its own charge (one request
+  more): the level follows the model's admissions closely, and probes past them only where the
+  model refuses and measurement says it need not. So refusals that measurement does not back
+  loosen by themselves, as fast as the pool's answers end: from nothing, a 16-slot pool whose
+  answers end in a second is full within a dozen seconds of a 20 s deadline
+  (``tests/test_no_harm.py``). Completions of requests admitted before a back-off do not undo it
+  (``PoolLearning``).
 - **Back-off.** Misses of requests admitted at the top beyond what the baseline allows, by more
   than a Poisson deviation (``over``), resolved at their deadline (``settled``: a long answer
   may still miss after the short ones beside it ended), cut the level by ``BACKOFF``; the
