@@ -90,6 +90,7 @@ state objects (``Promise``, ``Spread``, ``Backlog``, ``Demand``, ``Running``) an
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -333,6 +334,10 @@ class PoolLearning:
         self._ended: dict[str, tuple[Running, bool]] = {}
         self.level = Level(target=TARGET_ATTAINMENT)  # what the pool was seen to serve in time
         self._cut_at = -math.inf  # when the level last backed off (``completed``'s evidence)
+        # The pool's work per replica at each decision, (when, work), kept only as suffix
+        # minima (each entry's work below every later one's): the least work the pool held
+        # since any moment is the first entry at or after it (``_completed``).
+        self._loads: list[tuple[float, float]] = []
         self.backlog = Backlog()
         self.limit = Spread()  # the admission limit demoted requests meet (extproc.step)
 
@@ -371,6 +376,8 @@ class PoolLearning:
         if now - self._viewed_at < CENSOR_REFRESH_S:
             return
         self._viewed_at = now
+        oldest = min((r.started for r in self._running.values()), default=now)
+        self._loads = self._loads[bisect.bisect_right(self._loads, (oldest, math.inf)):]
         for group in [g for g, f in self.flows.items() if f.rate(now) * f.memory_s
                       < FLOW_FORGOTTEN]:
             del self.flows[group]
@@ -421,10 +428,17 @@ class PoolLearning:
         """An admitted request completed within its deadline: the measured level may rise at
         once (``Level.completed``: the way up is clocked by completions, as TCP's slow start
         is by acknowledgements, not by deadlines), unless it was admitted before the level's
-        last back-off (evidence the back-off has already weighed)."""
-        if running.level_ms >= 0 and running.started >= self._cut_at:
-            self.level.completed(running.at_ms, running.level_ms, running.charge_ms,
-                                 measured=running.measured)
+        last back-off (evidence the back-off has already weighed). It ran at the work it was
+        admitted at, or at the least work the pool held at any decision after it, whichever
+        is more: behind several gateways the pool runs at what all of them admit, and a gateway
+        whose own level is lower learns from its requests that ran there in time throughout
+        (it would otherwise see its requests only at its own level, and keep it)."""
+        if running.level_ms < 0 or running.started < self._cut_at:
+            return
+        i = bisect.bisect_right(self._loads, (running.started, math.inf))  # decided after it
+        at_ms = max(running.at_ms, self._loads[i][1]) if i < len(self._loads) else running.at_ms
+        self.level.completed(at_ms, running.level_ms, running.charge_ms,
+                             measured=running.measured)
 
     def _own(self, service_class: str) -> Lengths:
         own = self.class_lengths.get(service_class)
@@ -471,11 +485,16 @@ class PoolLearning:
             w = max(MIX_WEIGHT, 1.0 / self._prompts)
             self._prompt += w * (prompt_tokens - self._prompt)
 
-    def decided(self, limit: int) -> None:
+    def decided(self, limit: int, load_ms: float, now: float) -> None:
         """A request was decided, once (not each time the gateway asked again): the admission
-        limit its contention check met (0: none was), a sample of ``limit``'s spread."""
+        limit its contention check met (0: none was), a sample of ``limit``'s spread; and the
+        pool's outstanding work per replica it saw (every gateway's, from the ledger), the
+        load the requests running now are running at (``_completed``)."""
         if limit:
             self.limit.add(limit)
+        while self._loads and self._loads[-1][1] >= load_ms:
+            self._loads.pop()
+        self._loads.append((now, load_ms))
 
     def admitted(self, service_class: str, prompt_tokens: int, *, batch: bool = False,
                  expected_s: float = 0.0, now: float = 0.0, prefill_rate: float = 0.0,

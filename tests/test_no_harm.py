@@ -54,7 +54,9 @@ def at(n: int, learning: PoolLearning) -> Snapshot:
 def decide_at(learning: PoolLearning, n: int, now: float, a: Ask | None = None) -> Admission:
     a = a or ask()
     learning.arrived(a.service_class, False, now, a.prompt_tokens, a.groups)
-    return admit(a, POOL, CONFIG, learning, at(n, learning), R, now)
+    adm = admit(a, POOL, CONFIG, learning, at(n, learning), R, now)
+    learning.decided(adm.limit, adm.at_ms - adm.charge_ms, now)
+    return adm
 
 
 def fill(learning: PoolLearning, now: float) -> list[Admission]:
@@ -128,6 +130,31 @@ def test_cold_start_the_level_climbs_as_requests_complete_not_as_deadlines_come(
         now += 1.0
     assert now < DEADLINE_S  # no deadline has come
     assert seen[0] <= 2 * R and seen[-1] == R * SLOTS, seen
+
+
+def test_two_gateways_on_one_ledger_each_climb_on_their_own_share_of_completions() -> None:
+    """Behind several gateways each sees the shared ledger's work (``at``) but only its own
+    completions: requests alternate between two, and both levels still climb to the pool."""
+    gateways = [bimodal(), bimodal()]
+    now, seen = 0.0, []
+    for _ in range(16):
+        mine: list[list[Admission]] = [[], []]
+        n = 0
+        while n < R * SLOTS:  # one ledger: the count is both gateways' requests
+            g, t = n % 2, now + n * 0.001  # arrivals a millisecond apart
+            adm = decide_at(gateways[g], n, t)
+            if not adm.runs:
+                break
+            gateways[g].admitted(adm.service_class, adm.cost.prompt_tokens, now=t,
+                                 key=f"{now}/{len(mine[g])}", running=running_of(adm, t))
+            mine[g].append(adm)
+            n += 1
+        seen.append(n)
+        for learning, admitted in zip(gateways, mine, strict=True):
+            end(learning, admitted, now, 1.0)
+        now += 1.0
+    assert seen[0] <= 2 * R and seen[-1] == R * SLOTS, seen
+    assert all(g.level.level_ms > 0.0 for g in gateways)
 
 
 def test_cold_start_misses_after_the_climb_back_it_off() -> None:
