@@ -336,7 +336,7 @@ class PoolLearning:
         self._cut_at = -math.inf  # when the level last backed off (``completed``'s evidence)
         # The pool's work per replica at each decision, (when, work), kept only as suffix
         # minima (each entry's work below every later one's): the least work the pool held
-        # since any moment is the first entry at or after it (``_completed``).
+        # at any decision after a moment is the first entry after it (``_completed``).
         self._loads: list[tuple[float, float]] = []
         self.backlog = Backlog()
         self.limit = Spread()  # the admission limit demoted requests meet (extproc.step)
@@ -419,7 +419,7 @@ class PoolLearning:
                                                         running.unavoidable)
         if running.level_ms >= 0:
             before = self.level.level_ms
-            self.level.settled(missed, running.at_ms, running.level_ms, running.charge_ms,
+            self.level.settled(missed, running.at_ms, running.level_ms,
                                alone=running.alone, unavoidable=running.unavoidable)
             if self.level.level_ms < before:
                 self._cut_at = now

@@ -98,14 +98,14 @@ class Level:
         allowed = self._top_allowed
         return self._top_missed > allowed + 2.0 * math.sqrt(allowed) + 1.0
 
-    def settled(self, missed: bool, at_ms: float, level_ms: float, step_ms: float, *,
-                alone: bool = False, unavoidable: float = 0.0) -> None:
+    def settled(self, missed: bool, at_ms: float, level_ms: float, *, alone: bool = False,
+                unavoidable: float = 0.0) -> None:
         """A request admitted with ``at_ms`` of work per replica outstanding (its own
         included), when the level was ``level_ms``, was resolved at its deadline: ``missed``
-        it or not. ``step_ms``: its own charge per replica (one request more); ``alone``: a
-        replica had nothing to do when it was admitted; ``unavoidable``: the model's chance
-        that it misses even alone. Misses at the top beyond the baseline cut the level; a hit
-        raised it already, when it completed (``completed``)."""
+        it or not. ``alone``: a replica had nothing to do when it was admitted;
+        ``unavoidable``: the model's chance that it misses even alone. Misses at the top beyond
+        the baseline cut the level; a hit raised it already, when it completed
+        (``completed``)."""
         self._prior += unavoidable
         self._priors += 1.0
         if alone:

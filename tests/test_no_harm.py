@@ -233,11 +233,11 @@ def test_misses_that_only_load_causes_cut_the_level() -> None:
     """The other side: misses at the top and none at low load back the level off."""
     level = Level()
     for _ in range(40):  # alone: always in time
-        level.settled(False, 1000.0, 0.0, 250.0, alone=True)
+        level.settled(False, 1000.0, 0.0, alone=True)
     level.level_ms, level.probing = 10_000.0, False  # past its slow start
     seen = []
     for i in range(30):  # every other request at the top misses
-        level.settled(i % 2 == 0, 10_000.0, 10_000.0, 250.0)
+        level.settled(i % 2 == 0, 10_000.0, 10_000.0)
         seen.append(level.level_ms)
     assert min(seen) <= max(seen) * 0.8
     assert max(seen) <= 10_000.0 * 1.1  # never far past what was measured
