@@ -84,9 +84,10 @@ bench: setup
 bench-memory: setup
 	$(PY) benchmarks/memory.py
 
-# The evaluation matrix (45 min or more on 2 cores since the three long families: one worker
-# had not finished after 88 CPU-minutes; extproc/sim/evaluate.py says what it runs), then
-# the autoscaling section (~1 min), into out/eval/. Arguments through EVAL_ARGS, e.g.
+# The evaluation matrix (the two 70B fleets' 90 cells: 14 CPU-minutes without the tuned
+# sweep; 8b-vllm's are the costliest, its incident cell at 3x alone 12 CPU-minutes;
+# extproc/sim/evaluate.py says what it runs), then the autoscaling section (~1 min), into
+# out/eval/. Arguments through EVAL_ARGS, e.g.
 # `make eval EVAL_ARGS=--reduced`.
 eval: setup
 	$(VENV)/bin/extproc eval --out out/eval $(EVAL_ARGS)
