@@ -235,7 +235,7 @@ class Gate:
         verdict = await self._admit(pool, ask, replicas, engines)
         if verdict.admission is not None:  # once per request, whatever was asked again
             adm = verdict.admission
-            self.learning[pool.name].decided(adm.limit, adm.at_ms - adm.charge_ms, self._clock())
+            self.learning[pool.name].decided(adm.limit, adm.load_ms, self._clock())
         if uncounted is not None and verdict.ticket is not None and self.pricing.claim():
             verdict.ticket.correction = asyncio.create_task(
                 self._recount(verdict.ticket, request, pool, uncounted, ask, replicas))

@@ -485,13 +485,16 @@ class PoolLearning:
             w = max(MIX_WEIGHT, 1.0 / self._prompts)
             self._prompt += w * (prompt_tokens - self._prompt)
 
-    def decided(self, limit: int, load_ms: float, now: float) -> None:
+    def decided(self, limit: int, load_ms: float | None, now: float) -> None:
         """A request was decided, once (not each time the gateway asked again): the admission
         limit its contention check met (0: none was), a sample of ``limit``'s spread; and the
-        pool's outstanding work per replica it saw (every gateway's, from the ledger), the
-        load the requests running now are running at (``_completed``)."""
+        pool's outstanding work per replica it saw (every gateway's, from the ledger; None:
+        it was refused before the pool was looked at), the load the requests running now are
+        running at (``_completed``)."""
         if limit:
             self.limit.add(limit)
+        if load_ms is None:
+            return
         while self._loads and self._loads[-1][1] >= load_ms:
             self._loads.pop()
         self._loads.append((now, load_ms))

@@ -130,6 +130,12 @@ class Admission:
         return self.outcome in (Outcome.ADMIT, Outcome.PASS)
 
     @property
+    def load_ms(self) -> float | None:
+        """The pool's outstanding work per replica it was decided on, its own not included
+        (``PoolLearning.decided``); None: it was refused before the pool was looked at."""
+        return self.at_ms - self.charge_ms if self.decision is not None else None
+
+    @property
     def retry_after_ms(self) -> float | None:
         return self.decision.retry_after_ms if self.decision is not None else None
 

@@ -55,7 +55,7 @@ def decide_at(learning: PoolLearning, n: int, now: float, a: Ask | None = None) 
     a = a or ask()
     learning.arrived(a.service_class, False, now, a.prompt_tokens, a.groups)
     adm = admit(a, POOL, CONFIG, learning, at(n, learning), R, now)
-    learning.decided(adm.limit, adm.at_ms - adm.charge_ms, now)
+    learning.decided(adm.limit, adm.load_ms, now)
     return adm
 
 
@@ -256,3 +256,13 @@ def test_the_decision_only_reads() -> None:
         admit(ask(CRITICAL), POOL, CONFIG, learning, Snapshot(n, n * 2000.0), R, now + 7.0)
         admit(ask(SHEDDABLE), POOL, CONFIG, learning, Snapshot(n, n * 2000.0), R, now + 9.0)
     assert pickle.dumps(learning) == before
+
+
+def test_a_request_refused_before_the_pool_was_looked_at_records_no_load() -> None:
+    """A 400 for its context length saw no snapshot: its load is not the pool's (recorded,
+    a 0 would wipe the loads running requests are judged at)."""
+    learning = bimodal()
+    too_long = admit(Ask("latency", 40_000, 16), POOL, CONFIG, learning, at(R, learning), R, 0.0)
+    assert too_long.outcome is Outcome.INVALID and too_long.load_ms is None
+    seen = decide_at(learning, 2 * R, 0.0)
+    assert seen.load_ms is not None and seen.load_ms > 0.0

@@ -430,7 +430,7 @@ class Simulation:
         snapshot = self.ledger.snapshot(pool.name)
         if self.policy.uses_step:
             adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now)
-            learning.decided(adm.limit, adm.at_ms - adm.charge_ms, now)
+            learning.decided(adm.limit, adm.load_ms, now)
             if self.on_decision is not None:
                 self.on_decision(job, snapshot, adm)
             outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
