@@ -152,6 +152,8 @@ class Reason(StrEnum):
     PRIORITY = "priority"  # the room is kept for higher priorities' expected arrivals
     FAIR_SHARE = "fair_share"  # its tenant is over its share of a contended pool
     TENANT_CAP = "tenant_cap"  # its tenant is at a configured hard cap
+    QUEUE_FULL = "queue_full"  # it would have been held, but the pool holds all it may
+    QUEUE_DEADLINE = "queue_deadline"  # held until even alone it could not finish in time
 
 
 @dataclass(frozen=True, slots=True)

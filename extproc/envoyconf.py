@@ -386,6 +386,12 @@ def _processor_outlier_detection() -> OutlierDetection:
     )
 
 
+def hold_limit_s(config: Config) -> float:
+    """The longest the gateway may hold a request (``extproc.defer``): its longest class
+    deadline, and a second for the answer to reach Envoy."""
+    return max(c.deadline_ms for c in config.classes.values()) / 1000.0 + 1.0
+
+
 def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
     """The bootstrap as typed ``envoy-data-plane`` messages (a misspelled field or a wrong
     type fails here), returned in the protobuf JSON form Envoy loads."""
@@ -397,6 +403,8 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             failure_mode_allow=topo.fail_open,
             status_on_error=HttpStatus(code=error_status(topo.status_on_error)),
             message_timeout=_s(2),
+            # a held request (extproc.defer) extends its message's timeout, up to this
+            max_message_timeout=_s(hold_limit_s(config)) if config.defer.enabled else None,
             allow_mode_override=True,
             forward_rules=_forward_rules(config),
             # one trip: the headers the sidecar reads, with the body (_routes); Envoy 1.40

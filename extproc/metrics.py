@@ -149,6 +149,14 @@ class Metrics:
         self.queue_depth = Gauge(
             "extproc_queue_depth", "Admitted requests beyond the pool's batch slots.",
             ["pool"], registry=self.registry)
+        # the requests the gateway holds (extproc.defer): demand, unlike the engines' queue
+        self.held = Gauge(
+            "extproc_held_requests", "Requests the gateway holds until they fit, per priority.",
+            ["pool", "priority"], registry=self.registry)
+        self.held_oldest = Gauge(
+            "extproc_held_oldest_seconds",
+            "How long the longest-held request has waited in the gateway.",
+            ["pool"], registry=self.registry)
         self.pool_replicas = Gauge(
             "extproc_pool_replicas", "Replicas by state: ready, starting, draining, unhealthy.",
             ["pool", "state"], registry=self.registry)

@@ -22,6 +22,7 @@ line (``envoyconf.ACCESS_LOG``).
 from __future__ import annotations
 
 import json
+import math
 import random
 
 from envoy.config.core.v3 import base_pb2
@@ -93,6 +94,14 @@ def continue_headers() -> pb.ProcessingResponse:
 
 def continue_body() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def extend_timeout(seconds: float) -> pb.ProcessingResponse:
+    """Envoy's message timeout for the message being processed, extended to ``seconds`` from
+    now (a held request: ``extproc.defer``; within the filter's ``max_message_timeout``)."""
+    response = pb.ProcessingResponse()
+    response.override_message_timeout.FromMilliseconds(max(1, math.ceil(seconds * 1000.0)))
+    return response
 
 
 def overloaded(reason: Reason, retry_ms: int) -> pb.ProcessingResponse:

@@ -60,6 +60,7 @@ builders of the gate's collaborators); the next split is ``Service`` and its bui
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import random
@@ -67,7 +68,7 @@ import signal
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
 
 import grpc
@@ -193,9 +194,27 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     self.gate.metrics.processor_wait.observe(waited)
                     trace = _trace_context(context) if self.gate.tracing.enabled else {}
                     deciding = True
-                    answer, verdict = await self._on_body(message.request_body, headers,
-                                                          trace, tenant=tenant,
-                                                          one_trip=one_trip)
+                    # A held request (extproc.defer) extends Envoy's message timeout for its
+                    # hold while its decision waits.
+                    holds: asyncio.Queue[float] = asyncio.Queue()
+                    body = asyncio.ensure_future(self._on_body(
+                        message.request_body, headers, trace, tenant=tenant,
+                        one_trip=one_trip, on_hold=holds.put_nowait))
+                    try:
+                        while not body.done():
+                            hold = asyncio.ensure_future(holds.get())
+                            await asyncio.wait((body, hold), return_when=asyncio.FIRST_COMPLETED)
+                            hold.cancel()
+                            if hold.done() and not hold.cancelled():
+                                yield responses.extend_timeout(hold.result())
+                    finally:
+                        if not body.done():  # the stream went away while it was held
+                            body.cancel()
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await body
+                        elif not body.cancelled() and body.exception() is None:
+                            ticket = _ticket(body.result()[1])  # settled below, however
+                    answer, verdict = body.result()
                     deciding = False
                 else:
                     # a phase we did not ask for, or a request phase repeated after the
@@ -284,6 +303,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _on_body(
         self, message: pb.HttpBody, headers: Mapping[str, str], trace: Mapping[str, str], *,
         tenant: Tenant | None = None, one_trip: bool = False,
+        on_hold: Callable[[float], None] | None = None,
     ) -> tuple[pb.ProcessingResponse, Verdict | None]:
         path = headers.get(":path", "")
         route = self.config.route(path)
@@ -303,7 +323,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         except RequestError as exc:
             return self._answer(self.gate.refuse(exc, route.service_class, tenant))
         return self._answer(await self.gate.check(route, path, headers, body, trace,
-                                                  tenant=tenant))
+                                                  tenant=tenant, on_hold=on_hold))
 
     def _coding(self, headers: Mapping[str, str]) -> encoding.Coding | None:
         return encoding.coding(headers.get("content-encoding"),
@@ -326,6 +346,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         retry_ms = verdict.decision.retry_after_ms if verdict.decision else None
         delay_ms = retry_delay_ms(retry_ms, self.config.retry_after, self.rng)
         return responses.overloaded(verdict.reason, delay_ms)
+
+
+def _ticket(verdict: Verdict | None) -> Ticket | None:
+    return verdict.ticket if verdict is not None else None
 
 
 def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -492,9 +516,11 @@ class Service:
             await self.probe_ledger()
 
     async def drain(self) -> None:
-        """Turn NOT_SERVING, keep serving while streams are open (up to the grace), stop."""
+        """Turn NOT_SERVING, answer what the gateway holds with a 429 at once, keep serving
+        while streams are open (up to the grace), stop."""
         self.draining = True
         await self.health.enter_graceful_shutdown()
+        self.gate.refuse_held()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_grace_s
         idle_since: float | None = None

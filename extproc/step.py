@@ -86,6 +86,7 @@ class Ask:
     known_output_tokens: int | None = None
     tenant: str | None = None  # who is charged (extproc.tenant); None: attribution off
     priority: int = 0  # its priority level (extproc.share)
+    waited_ms: float = 0.0  # held this long by the gateway (extproc.defer): off its deadline
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -118,6 +119,8 @@ class Admission:
     charge_ms: float = 0.0  # its own work per replica
     alone: bool = False  # a replica had nothing to do
     limit: int = 0  # the admission limit its contention check met (0: none checked)
+    alone_ms: float = 0.0  # its typical completion alone on an idle replica ...
+    first_alone_ms: float = 0.0  # ... and its first token (``extproc.defer``'s hold)
 
     @property
     def kv_tokens(self) -> int:
@@ -211,7 +214,7 @@ def kv_of(ask: Ask, pool: Pool, learning: PoolLearning) -> int:
 def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot: Snapshot,
           replicas: int, now: float, correction: Correction = NO_CORRECTION) -> Admission:
     """Decide one request (module docstring)."""
-    policy = class_policy(config, ask.service_class, ask.deadline_ms)
+    policy = waited(class_policy(config, ask.service_class, ask.deadline_ms), ask.waited_ms)
     cost = cost_of(ask, pool, learning)
     limit = pool.engine.max_model_len
     asked = ask.prompt_tokens + (ask.max_tokens or 0) * max(1, ask.choices)
@@ -238,7 +241,11 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         decision = measured(decision, cost, snapshot, capacity, learning.level) or decision
     outcome, reason = decision.outcome, decision.reason
     error: RequestError | None = None
-    if reason is Reason.INFEASIBLE:
+    if reason is Reason.INFEASIBLE and ask.waited_ms > 0:
+        # Held until too little of its deadline is left: overload's doing, not the ask's.
+        outcome, reason = Outcome.REJECT, Reason.QUEUE_DEADLINE
+        decision = dataclasses.replace(decision, outcome=outcome, reason=reason)
+    elif reason is Reason.INFEASIBLE:
         tightened = policy.deadline_ms < config.classes[ask.service_class].deadline_ms
         if tightened or config.infeasible is Infeasible.REJECT:
             error = BadRequest(
@@ -262,7 +269,8 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
     limit = 0
     if outcome in (Outcome.ADMIT, Outcome.PASS):
         changed = contention.at_cap(caps, decision, snapshot)
-        if changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas:
+        if (changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas
+                and not config.defer.enabled):  # (held requests go in order: extproc.defer)
             # (while a replica has nothing to do, no room is kept: ``extproc.level``)
             changed, limit = contention.room_for_others(
                 ask.tenant, ask.priority, cost, decision, policy, config, learning, snapshot,
@@ -273,6 +281,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
     alone = (1.0 if outcome is Outcome.PASS  # infeasible: it misses, whatever load
              else unavoidable(cost, capacity, policy, learning, ask.service_class)
              if runs else 0.0)
+    first = capacity.prefill_ms(cost.prompt_tokens, 0.0)
     ceiling, most = decision.ceiling_ms, decision.max_inflight
     if ceiling is not None:
         ceiling -= correction.extra_ms
@@ -289,7 +298,19 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         prefill_rate=rate, groups=ask.groups, priority=ask.priority, caps=caps,
         at_ms=(snapshot.outstanding_ms + decision.service_ms) / max(replicas, 1),
         level_ms=learning.level.level_ms, charge_ms=decision.service_ms / max(replicas, 1),
-        alone=snapshot.inflight < replicas, limit=limit)
+        alone=snapshot.inflight < replicas, limit=limit,
+        alone_ms=first + cost.typical * pool.engine.itl_ms(1, cost.prompt_tokens),
+        first_alone_ms=first)
+
+
+def waited(policy: Policy, waited_ms: float) -> Policy:
+    """The budget left to a request the gateway held ``waited_ms``: its deadline and its
+    first-token objective count from its arrival."""
+    if waited_ms <= 0:
+        return policy
+    return dataclasses.replace(
+        policy, deadline_ms=policy.deadline_ms - waited_ms,
+        ttft_ms=None if policy.ttft_ms is None else policy.ttft_ms - waited_ms)
 
 
 def running_of(adm: Admission, now: float) -> Running:

@@ -118,6 +118,8 @@ def annotate(span: DecisionSpan, verdict: Verdict, seconds: float, mode: str) ->
              prompt_tokens=verdict.prompt_tokens or None,
              output_tokens_charged=verdict.output_tokens or None,
              decision_ms=round(seconds * 1000.0, 3))
+    if verdict.held_ms:
+        span.set(held_ms=round(verdict.held_ms, 3))
     if verdict.admission is not None:
         span.set(priority=priority_label(verdict.admission.priority))
     if verdict.tenant is not None:

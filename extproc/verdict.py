@@ -74,6 +74,7 @@ class Verdict:
     trace: Mapping[str, Any] | None = None  # span attributes known only here (when tracing)
     tenant: Tenant | None = None  # who is charged (extproc.tenant); None: attribution off
     admission: Admission | None = None  # the step's answer, when it decided
+    held_ms: float = 0.0  # how long the gateway held it before this answer (extproc.defer)
 
     @property
     def blocks(self) -> bool:
@@ -86,6 +87,16 @@ def invalid(error: RequestError, pool: str | None, cls: str) -> Verdict:
     reason = {413: Reason.BODY_TOO_LARGE, 415: Reason.UNSUPPORTED_MEDIA}.get(
         error.status, Reason.BAD_REQUEST)
     return Verdict(Outcome.INVALID, reason, pool, cls, error=error, enforced=True)
+
+
+def refused_held(verdict: Verdict, reason: Reason, retry_ms: float) -> Verdict:
+    """A request that was, or would have been, held is refused after all (``extproc.defer``):
+    a 429 with ``reason`` and a Retry-After of ``retry_ms`` (the queue's predicted drain)."""
+    assert verdict.decision is not None
+    decision = dataclasses.replace(verdict.decision, outcome=Outcome.REJECT, reason=reason,
+                                   ceiling_ms=None, retry_after_ms=max(1.0, retry_ms))
+    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason,
+                               decision=decision, ticket=None)
 
 
 def contended(verdict: Verdict) -> Verdict:

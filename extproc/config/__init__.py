@@ -180,6 +180,19 @@ class RetryAfter:
 
 
 @dataclass(frozen=True, config=MODEL)
+class DeferConfig:
+    """Holding a refused request until it fits (extproc.defer, docs/defer.md)."""
+
+    enabled: Flag = False
+    """Hold a request that does not fit now but would after the predicted wait, instead of a
+    429; Envoy's ext_proc message_timeout is then sized to the longest class deadline."""
+    max_waiting: Annotated[Int, within(ge=1)] = 256
+    """Requests one pool holds at most; beyond, 429 queue_full."""
+    max_waiting_per_tenant: Annotated[Int, within(ge=1)] = 64
+    """... and one tenant's at most."""
+
+
+@dataclass(frozen=True, config=MODEL)
 class ServerTls:
     """mTLS on ``listen``: clients (Envoy) must present a certificate ``client_ca_file``
     signed. Files are re-read when they change (extproc.tls)."""
@@ -290,6 +303,8 @@ class Config:
     """Where admitted work is recorded: in memory, or in Redis shared by replicas."""
     retry_after: RetryAfter = Field(default_factory=RetryAfter)
     """The Retry-After of a 429."""
+    defer: DeferConfig = Field(default_factory=DeferConfig)
+    """Hold what fits after a wait instead of refusing it (the gateway's queue)."""
     decision_log: Annotated[Text, Rule(_writable_dir)] | None = None
     """JSONL of every decision, for extproc replay; absent: off."""
     tracing: TracingConfig = Field(default_factory=TracingConfig)

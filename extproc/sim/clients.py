@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from extproc.engine import Sequence
 from extproc.workload import Job
@@ -59,6 +59,7 @@ class Attempt(Sequence):
         "abandoned",
         "aborted",
         "arrival",
+        "ask",
         "batch",
         "charged_tokens",
         "deadline_s",
@@ -107,6 +108,7 @@ class Attempt(Sequence):
         self.predicted_step_ms = 0.0  # the difference to what happened)
         self.predicted_completion_s = 0.0
         self.groups: tuple[str, ...] = ()  # its ledger groups (priority, tenant) once admitted
+        self.ask: Any = None  # what the gateway's step is asked (``extproc.step.Ask``)
 
     @property
     def good(self) -> bool:

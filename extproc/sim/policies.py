@@ -58,6 +58,11 @@ class AdmissionPolicy(Protocol):
         """True: the step is told each answer's true length (the oracle)."""
         ...
 
+    @property
+    def defers(self) -> bool | None:
+        """The step holds what fits after a wait (``extproc.defer``); None: as configured."""
+        ...
+
     def decide(self, cost: Cost, true_output: int, snapshot: Snapshot, capacity: Capacity,
                policy: Policy, now: float, view: EngineView) -> Decision: ...
 
@@ -80,6 +85,7 @@ class Product:
     enforce: bool = True
     clairvoyant: bool = False
     uses_step: bool = True
+    defers: bool | None = None  # hold what fits after a wait (None: as configured, ``defer``)
 
     def decide(self, cost: Cost, true_output: int, snapshot: Snapshot, capacity: Capacity,
                policy: Policy, now: float, view: EngineView) -> Decision:
@@ -92,6 +98,11 @@ def Default() -> Product:
 
 def NoAdmission() -> Product:
     return Product(name="none", enforce=False)
+
+
+def Defer() -> Product:
+    """The product holding what fits after a wait (``extproc.defer``), whatever configured."""
+    return Product(name="defer", defers=True)
 
 
 def Oracle() -> Product:
@@ -122,6 +133,7 @@ class NaiveSlots:
     enforce: bool = True
     uses_step: bool = False
     clairvoyant: bool = False
+    defers: bool | None = False
 
     def decide(self, cost: Cost, true_output: int, snapshot: Snapshot, capacity: Capacity,
                policy: Policy, now: float, view: EngineView) -> Decision:
@@ -145,6 +157,7 @@ class Saturation:
     enforce: bool = True
     uses_step: bool = False
     clairvoyant: bool = False
+    defers: bool | None = False
 
     def decide(self, cost: Cost, true_output: int, snapshot: Snapshot, capacity: Capacity,
                policy: Policy, now: float, view: EngineView) -> Decision:
@@ -162,6 +175,7 @@ class ArticleFormula:
     enforce: bool = True
     uses_step: bool = False
     clairvoyant: bool = False
+    defers: bool | None = False
 
     def decide(self, cost: Cost, true_output: int, snapshot: Snapshot, capacity: Capacity,
                policy: Policy, now: float, view: EngineView) -> Decision:
@@ -183,6 +197,7 @@ POLICIES: dict[str, Callable[[], AdmissionPolicy]] = {
     "saturation": Saturation,
     "article": ArticleFormula,
     "default": Default,
+    "defer": Defer,
     "oracle": Oracle,
 }
 

@@ -31,8 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.admission import Outcome, Policy, Snapshot
+from extproc.admission import Outcome, Policy, Reason, Snapshot
 from extproc.config import Config, Pool, TenantSource
+from extproc.defer import DEFERRABLE, Queue, Waiter, hold_s, predicted_wait_ms
 from extproc.engine import EngineModel
 from extproc.learning import PoolLearning
 from extproc.ledger import Entry
@@ -55,7 +56,7 @@ from extproc.step import (
 )
 from extproc.workload import Job
 
-_REPLICA, _SEND, _READY, _SAMPLE, _CONTROL = range(5)
+_REPLICA, _SEND, _READY, _SAMPLE, _CONTROL, _EXPIRE, _PASS = range(7)
 AFFINITY_SLACK = 0.25  # a prefix's replica is kept while at most this share of a batch busier
 SCRAPE_S = 0.05  # how often a saturation detector's view of the engines is refreshed
 
@@ -247,6 +248,9 @@ class Simulation:
         self.on_decision = on_decision  # sees each step decision and the snapshot it read
         self.pool = scenario.pool
         self.config = scenario.config
+        if policy.uses_step and policy.defers is not None:  # the policy says, not the config
+            self.config = dataclasses.replace(self.config, defer=dataclasses.replace(
+                self.config.defer, enabled=policy.defers))
         self.now = 0.0
         self.ledger = LedgerCore(clock=lambda: self.now)
         self.heap: list[tuple[float, int, int, Any, int]] = []
@@ -279,6 +283,11 @@ class Simulation:
         # What the gateway learns: output lengths (each completion), promises, demand, mix.
         self.learning = PoolLearning(Prior(self.pool.expected_output_tokens or Prior.mean,
                                            self.pool.long_output_tokens or Prior.p99))
+        # What the gateway holds (``extproc.defer``), with the product's step and ``defer``.
+        defer = self.config.defer
+        self._defers = policy.uses_step and policy.enforce and defer.enabled
+        self.queue = Queue(defer.max_waiting, defer.max_waiting_per_tenant)
+        self._pass_due = False  # a pass is pushed for now
         for _ in range(scenario.replicas):
             self._add_replica(ready=True)
 
@@ -308,6 +317,7 @@ class Simulation:
         r.ready_at = self.now
         r.last_t = self.now
         self.ready.append(r)
+        self._wake()
 
     def _stop(self, r: Replica) -> None:
         r.accrue(self.now)
@@ -363,6 +373,11 @@ class Simulation:
                 elif kind == _READY:
                     if obj.state == "starting":
                         self._make_ready(obj)
+                elif kind == _PASS:
+                    self._pass()
+                elif kind == _EXPIRE:
+                    if obj.payload.outcome == "held":
+                        self._decide(obj.payload, obj)
                 elif kind == _SAMPLE:
                     self._take_sample(progress)
                     if ji < n or self._busy():
@@ -401,13 +416,14 @@ class Simulation:
 
     def _busy(self) -> bool:
         """Anything left to happen besides the periodic samples?"""
-        return self._pending_sends > 0 or any(not r.idle for r in self.replicas) or any(
-            r.state == "starting" for r in self.replicas)
+        return (self._pending_sends > 0 or bool(self.queue)
+                or any(not r.idle for r in self.replicas)
+                or any(r.state == "starting" for r in self.replicas))
 
     # ---- gateway ----
     def _send(self, job: Job, number: int) -> None:
-        """The gateway: the admission step (``extproc.step.admit``) for the product's
-        policies, the baseline's own rule for the others; then 400, 429 or the engines."""
+        """A client's send reaches the gateway: what the gateway holds goes first (a pass:
+        ``extproc.defer``), then this request is decided (``_decide``)."""
         now = self.now
         res = self.result
         res.attempts += 1
@@ -424,32 +440,67 @@ class Simulation:
                   tenant=tenant,
                   priority=priority_of(config, job.service_class, tenant, job.priority))
         learning.arrived(job.service_class, batch, now, job.prompt_tokens, ask.groups)
-        tallies = [res.tally(g) for g in ask.groups]
-        for t in tallies:
-            t.attempts += 1
-        snapshot = self.ledger.snapshot(pool.name)
-        if self.policy.uses_step:
-            adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now)
-            learning.decided(adm.limit, adm.load_ms, now)
-            if self.on_decision is not None:
-                self.on_decision(job, snapshot, adm)
-            outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
-            policy = adm.policy
-            service = adm.decision.service_ms if adm.decision is not None else 0.0
-            kv = adm.kv_tokens
-        else:
-            policy = class_policy(config, job.service_class, job.deadline_ms)
-            capacity = capacity_for(pool, len(self.ready), learning)
-            decision = self.policy.decide(cost_of(ask, pool, learning), output, snapshot,
-                                          capacity, policy, now, self._engine_view(now))
-            outcome, retry_ms, unavoidable = decision.outcome, decision.retry_after_ms, 0.0
-            service, kv = decision.service_ms, job.prompt_tokens
+        for g in ask.groups:
+            res.tally(g).attempts += 1
         self._keys += 1
+        policy = class_policy(config, job.service_class, job.deadline_ms)
         a = Attempt(job, number, now, str(self._keys), output, charged,
                     policy.deadline_ms / 1000.0,
                     None if policy.ttft_ms is None else policy.ttft_ms / 1000.0)
-        a.unavoidable, a.batch = unavoidable, batch
-        if self.policy.uses_step and adm.decision is not None:
+        a.batch, a.ask = batch, ask
+        if self.queue:
+            self._pass()
+        self._decide(a)
+
+    def _pass(self) -> None:
+        """Decide again what the gateway holds, in its order (``extproc.defer``)."""
+        self._pass_due = False
+        for waiter in self.queue.pass_order():
+            self._decide(waiter.payload, waiter)
+
+    def _decide(self, a: Attempt, held: Waiter | None = None) -> None:
+        """The gateway decides ``a`` (again, if it is ``held``): the admission step
+        (``extproc.step.admit``) for the product's policies, the baseline's own rule for the
+        others; then held, 400, 429 or the engines."""
+        now = self.now
+        res = self.result
+        job = a.job
+        pool, config, learning = self.pool, self.config, self.learning
+        ask = a.ask if held is None else dataclasses.replace(
+            a.ask, waited_ms=(now - a.arrival) * 1000.0)
+        snapshot = self.ledger.snapshot(pool.name)
+        adm = None
+        if self.policy.uses_step:
+            adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now)
+            outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
+            service = adm.decision.service_ms if adm.decision is not None else 0.0
+            kv = adm.kv_tokens
+            if self._defers and outcome is Outcome.REJECT and adm.reason in DEFERRABLE:
+                if held is not None and now < held.until:
+                    return  # held on
+                if held is None:
+                    retry_ms = self._hold(a, adm)
+                    if retry_ms is None:
+                        return  # held
+                    adm = _refused(adm, Reason.QUEUE_FULL if retry_ms < 0 else adm.reason)
+                    retry_ms = abs(retry_ms)
+                else:
+                    adm = _refused(adm, Reason.QUEUE_DEADLINE)
+            learning.decided(adm.limit, adm.load_ms, now)
+            if self.on_decision is not None:
+                self.on_decision(job, snapshot, adm)
+        else:
+            policy = class_policy(config, job.service_class, job.deadline_ms)
+            capacity = capacity_for(pool, len(self.ready), learning)
+            decision = self.policy.decide(cost_of(ask, pool, learning), a.output_tokens,
+                                          snapshot, capacity, policy, now,
+                                          self._engine_view(now))
+            outcome, retry_ms, unavoidable = decision.outcome, decision.retry_after_ms, 0.0
+            service, kv = decision.service_ms, job.prompt_tokens
+        if held is not None:
+            self.queue.sent(held) if outcome is not Outcome.REJECT else self.queue.remove(held)
+        a.unavoidable = unavoidable
+        if adm is not None and adm.decision is not None:
             a.predicted_ttft_ms, a.predicted_step_ms = adm.decision.ttft_ms, adm.decision.step_ms
             a.predicted_completion_s = adm.decision.completion_ms / 1000.0
             self._prefill_rate = adm.prefill_rate
@@ -461,25 +512,7 @@ class Simulation:
             res.jobs_failed += 1
             return
         if outcome is Outcome.REJECT and self.policy.enforce:
-            a.outcome = "rejected"
-            res.rejected += 1
-            second = math.floor(now)
-            if (second != self._refused_idle_at and now < res.span_s
-                    and any(r.idle for r in self.ready)):
-                self._refused_idle_at = second  # refusing while a replica has nothing to do
-                res.refused_idle_s += 1
-            for t in tallies:
-                t.rejected += 1
-            self._window.rejected += 1
-            self._sample.rejected += 1
-            clients = self.scenario.clients
-            if number < clients.max_retries:
-                hint = retry_delay_ms(retry_ms, config.retry_after, self.rng_gateway) / 1000.0
-                delay = clients.after_429_s(hint, number, self.rng_clients)
-                self._push(now + delay, _SEND, (job, number + 1))
-                self._pending_sends += 1
-            else:
-                res.jobs_shed += 1
+            self._reject(a, retry_ms)
             return
         if not self.ready:
             a.outcome = "unavailable"
@@ -494,14 +527,14 @@ class Simulation:
         a.outcome = "admitted"
         res.admitted += 1
         a.groups = ask.groups
-        for t in tallies:
-            t.admitted += 1
+        for g in ask.groups:
+            res.tally(g).admitted += 1
         self._window.admitted += 1
         self._sample.admitted += 1
-        learning.admitted(job.service_class, job.prompt_tokens, batch=batch,
+        learning.admitted(job.service_class, job.prompt_tokens, batch=a.batch,
                           expected_s=a.predicted_completion_s, now=now,
                           prefill_rate=self._prefill_rate, key=a.key,
-                          running=running_of(adm, now) if self.policy.uses_step else None,
+                          running=running_of(adm, now) if adm is not None else None,
                           groups=ask.groups)
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
@@ -512,6 +545,51 @@ class Simulation:
         assert target is not None
         target.submit(a, now)
         self._timeouts.append((now + self.scenario.clients.timeout_s, a))
+
+    def _hold(self, a: Attempt, adm: Admission) -> float | None:
+        """Hold a refused request if it would fit after the predicted wait (``extproc.defer``):
+        None, held; else the Retry-After of its 429 in ms (negative: the queue is full)."""
+        queue, now = self.queue, self.now
+        replicas = len(self.ready)
+        until = a.arrival + hold_s(adm.policy, adm.alone_ms, adm.first_alone_ms)
+        due = a.arrival + a.deadline_s
+        wait_ms = predicted_wait_ms(0.0, queue.ahead_ms(adm.priority, due),
+                                    replicas)
+        if queue.full(a.ask.tenant):
+            return -predicted_wait_ms(adm.retry_after_ms, queue.held_ms, replicas)
+        if now + wait_ms / 1000.0 >= until:
+            return wait_ms
+        tenant = a.ask.tenant
+        weight = self.config.tenant.policy(tenant).weight if tenant is not None else 1.0
+        waiter = Waiter(a.key, adm.priority, tenant, weight, adm.charge_ms * max(replicas, 1),
+                        a.arrival, due, until, a)
+        queue.push(waiter)
+        a.outcome = "held"
+        self._push(until, _EXPIRE, waiter)
+        return None
+
+    def _reject(self, a: Attempt, retry_ms: float | None) -> None:
+        """A 429: the client retries after its Retry-After, or gives up."""
+        now, res = self.now, self.result
+        a.outcome = "rejected"
+        res.rejected += 1
+        second = math.floor(now)
+        if (second != self._refused_idle_at and now < res.span_s
+                and any(r.idle for r in self.ready)):
+            self._refused_idle_at = second  # refusing while a replica has nothing to do
+            res.refused_idle_s += 1
+        for g in a.ask.groups:
+            res.tally(g).rejected += 1
+        self._window.rejected += 1
+        self._sample.rejected += 1
+        clients = self.scenario.clients
+        if a.number < clients.max_retries:
+            hint = retry_delay_ms(retry_ms, self.config.retry_after, self.rng_gateway) / 1000.0
+            delay = clients.after_429_s(hint, a.number, self.rng_clients)
+            self._push(now + delay, _SEND, (a.job, a.number + 1))
+            self._pending_sends += 1
+        else:
+            res.jobs_shed += 1
 
     def _engine_view(self, now: float) -> EngineView:
         """The engines' metrics as last scraped: refreshed at a decision once 50 ms old (a
@@ -555,11 +633,18 @@ class Simulation:
             return
         a.released = True
         self.ledger.release(a.key, self.pool.name)
+        self._wake()
         self.learning.settled(a.job.service_class, batch=a.batch,
                               seconds=self.now - a.arrival, deadline_s=a.deadline_s,
                               completed=completed, unavoidable=a.unavoidable, now=self.now,
                               ttft_ms=a.predicted_ttft_ms, step_ms=a.predicted_step_ms,
                               key=a.key, groups=a.groups)
+
+    def _wake(self) -> None:
+        """Capacity came back: a pass over what is held, once the event at hand is done."""
+        if self.queue and not self._pass_due:
+            self._pass_due = True
+            self._push(self.now, _PASS, None)
 
     def _retry_or_fail(self, a: Attempt) -> None:
         clients = self.scenario.clients
@@ -743,3 +828,7 @@ class _Window:
 def simulate(scenario: Scenario, policy: AdmissionPolicy,
              progress: Callable[[float, float], None] | None = None) -> Result:
     return Simulation(scenario, policy).run(progress)
+
+
+def _refused(adm: Admission, reason: Reason) -> Admission:
+    return dataclasses.replace(adm, reason=reason)

@@ -1,0 +1,209 @@
+"""Defer, the third verb: the requests a pool holds until they fit, and the order they go in.
+
+A request the step refuses (``extproc.step.admit``) is *held* instead of refused when waiting
+can make it fit and it would still finish in time after the wait:
+
+- the refusal is one waiting can undo (``DEFERRABLE``: the pool is busy, its KV cache is full,
+  the room is kept for others; not a hard tenant cap, a missing ledger or an infeasible ask);
+- its hold ends (``until``) when even alone on an idle replica it could no longer finish
+  within its deadline (or start within its time-to-first-token objective): its deadline
+  counts from its arrival, so every moment held is taken from it;
+- the wait predicted now fits before that end: the time the model says room comes back
+  (``Decision.retry_after_ms``) plus the work held ahead of it, drained at the fleet's rate
+  (``ahead_ms / replicas``, the ledger's unit: GPU milliseconds a replica works off each
+  millisecond);
+- the pool holds fewer than ``max_waiting`` requests, and its tenant fewer than
+  ``max_waiting_per_tenant`` (beyond: 429 ``queue_full``).
+
+What cannot fit even after the predicted wait is refused at once, as before, with Retry-After
+from the same prediction.
+
+**One order.** Held requests go strictly by priority (a higher band first, whatever waits
+below), then between tenants by fair share of GPU time in the unit the ledger charges, then by
+earliest deadline within a tenant. The fair share is start-time fair queueing: each tenant's
+next request carries the tag ``max(V, F_tenant)``, the tenant with the least tag goes first,
+its finish ``F_tenant`` moves on by ``charge / weight`` and ``V`` is the tag of the request
+last sent. A tenant that held nothing for a while gets no credit for it (``V`` has moved on).
+
+**Dispatch.** Whatever frees capacity (a release, an expiry, a new replica) and every arrival
+that finds a queue runs a *pass*: the held requests are decided again in that order, each on
+the pool as it is now, with what it has waited taken from its deadline. The first that fits
+goes; one that does not fit is passed over for the next (a smaller one may fit where it does
+not), so no capacity idles while something held fits; a pass gives up after ``PASSED_OVER``
+held requests did not fit (each costs a decision). A lower band's request is sent only while
+every higher one held was tried in the same pass and did not fit. A new arrival is decided
+after the pass: it goes if it fits then (what was held before it had its turn), else it is
+held or refused.
+
+This module is the queue's state and order, pure (no clock reads, no I/O); the gate
+(``extproc.gate``) and the simulator (``extproc.sim.run``) hold one per pool and run the
+passes, each with its own way to wait.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.admission import Policy, Reason
+
+# The refusals waiting can undo: the pool is busy now, or its room is kept for others.
+DEFERRABLE = frozenset({Reason.DEADLINE, Reason.TTFT, Reason.KV_CACHE, Reason.NO_CAPACITY,
+                        Reason.PRIORITY, Reason.FAIR_SHARE})
+PASSED_OVER = 4  # held requests a pass decides again without sending one, then it stops
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """One held request. Times in seconds on the caller's clock."""
+
+    key: str
+    priority: int
+    tenant: str | None
+    weight: float  # its tenant's weight in the fair share (1 without tenants)
+    charge_ms: float  # its ledger charge: the fair share's unit, and the queue's drain
+    arrived: float  # when it reached the gateway: its deadline counts from here
+    due: float  # its deadline (arrived + the class's or the client's deadline)
+    until: float  # the hold's end: past it, it could not finish in time even alone
+    payload: Any = None  # the caller's (the gate's future, the simulator's attempt)
+    seq: int = 0
+
+
+@dataclass
+class Queue:
+    """The requests one pool holds (module docstring)."""
+
+    max_waiting: int = 256
+    max_waiting_per_tenant: int = 64
+    _bands: dict[int, dict[str | None, list[tuple[float, int, Waiter]]]] = field(
+        default_factory=dict)
+    _finish: dict[str | None, float] = field(default_factory=dict)  # F per tenant
+    _virtual: float = 0.0  # V: the tag of the request last sent
+    _count: int = 0
+    _per_tenant: dict[str | None, int] = field(default_factory=dict)
+    _held_ms: float = 0.0  # the charges held, in all
+    _seq: Iterator[int] = field(default_factory=itertools.count)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def held_ms(self) -> float:
+        return self._held_ms
+
+    def full(self, tenant: str | None) -> bool:
+        """No room for one more of ``tenant``'s (``queue_full``)."""
+        return (self._count >= self.max_waiting
+                or self._per_tenant.get(tenant, 0) >= self.max_waiting_per_tenant)
+
+    def ahead_ms(self, priority: int, due: float) -> float:
+        """The work held that would go before a request of ``priority`` due at ``due``: every
+        higher band's, and its own band's due no later (its tenants' shares interleave, so
+        this counts them all: the prediction errs long)."""
+        total = 0.0
+        for level, tenants in self._bands.items():
+            for queued in tenants.values():
+                if level > priority:
+                    total += sum(w.charge_ms for _, _, w in queued)
+                elif level == priority:
+                    total += sum(w.charge_ms for d, _, w in queued if d <= due)
+        return total
+
+    def push(self, waiter: Waiter) -> None:
+        waiter.seq = next(self._seq)
+        tenants = self._bands.setdefault(waiter.priority, {})
+        bisect.insort(tenants.setdefault(waiter.tenant, []), (waiter.due, waiter.seq, waiter))
+        self._count += 1
+        self._per_tenant[waiter.tenant] = self._per_tenant.get(waiter.tenant, 0) + 1
+        self._held_ms += waiter.charge_ms
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take ``waiter`` out (sent, refused or gone); False if it was not held."""
+        tenants = self._bands.get(waiter.priority)
+        queued = tenants.get(waiter.tenant) if tenants is not None else None
+        if tenants is None or not queued:
+            return False
+        i = bisect.bisect_left(queued, (waiter.due, waiter.seq))
+        if i >= len(queued) or queued[i][2] is not waiter:
+            return False
+        del queued[i]
+        if not queued:
+            del tenants[waiter.tenant]
+            if not tenants:
+                del self._bands[waiter.priority]
+        self._count -= 1
+        left = self._per_tenant[waiter.tenant] - 1
+        if left:
+            self._per_tenant[waiter.tenant] = left
+        else:
+            del self._per_tenant[waiter.tenant]
+        self._held_ms = max(0.0, self._held_ms - waiter.charge_ms) if self._count else 0.0
+        return True
+
+    def sent(self, waiter: Waiter) -> None:
+        """``waiter`` goes to the engines: out of the queue, and its tenant's share moves on."""
+        if self.remove(waiter):
+            tag = max(self._virtual, self._finish.get(waiter.tenant, 0.0))
+            self._finish[waiter.tenant] = tag + waiter.charge_ms / max(waiter.weight, 1e-9)
+            self._virtual = tag
+            if not self._count:  # idle: nobody's past counts any more
+                self._finish.clear()
+
+    def order(self) -> Iterator[Waiter]:
+        """The held requests in dispatch order (module docstring), generated lazily; the
+        queue must not change while it is read."""
+        for level in sorted(self._bands, reverse=True):
+            tenants = self._bands[level]
+            heap = [(max(self._virtual, self._finish.get(t, 0.0)), i, t, 0)
+                    for i, t in enumerate(tenants)]
+            heapq.heapify(heap)
+            while heap:
+                tag, i, tenant, at = heapq.heappop(heap)
+                queued = tenants[tenant]
+                waiter = queued[at][2]
+                yield waiter
+                if at + 1 < len(queued):
+                    heapq.heappush(heap, (tag + waiter.charge_ms / max(waiter.weight, 1e-9),
+                                          i, tenant, at + 1))
+
+    def pass_order(self) -> list[Waiter]:
+        """The held requests one pass decides again, in order: the first ``PASSED_OVER``
+        (module docstring). A list: the pass changes the queue as it goes."""
+        return list(itertools.islice(self.order(), PASSED_OVER))
+
+    def expired(self, now: float) -> list[Waiter]:
+        """The held requests whose hold has ended by ``now``."""
+        return [w for tenants in self._bands.values() for queued in tenants.values()
+                for _, _, w in queued if w.until <= now]
+
+    def oldest(self) -> float | None:
+        """When the longest-held request arrived (None: none held)."""
+        return min((w.arrived for tenants in self._bands.values() for queued in
+                    tenants.values() for _, _, w in queued), default=None)
+
+    def depth(self, levels: Iterable[int] = ()) -> dict[int, int]:
+        """Held requests per priority level: those holding any, and ``levels`` (0 if none)."""
+        depth = dict.fromkeys(levels, 0)
+        for level, tenants in self._bands.items():
+            depth[level] = sum(len(q) for q in tenants.values())
+        return depth
+
+
+def predicted_wait_ms(retry_after_ms: float | None, ahead_ms: float, replicas: int) -> float:
+    """When a refused request would fit (module docstring): the model's time until room comes
+    back, plus the work held ahead of it at the fleet's rate."""
+    return (retry_after_ms or 0.0) + ahead_ms / max(replicas, 1)
+
+
+def hold_s(policy: Policy, alone_ms: float, first_alone_ms: float) -> float:
+    """How long after its arrival a request may be held: until even alone on an idle replica
+    it could no longer finish within its budget, or start within its first-token one."""
+    left = policy.budget_ms - alone_ms
+    ttft = policy.ttft_budget_ms
+    if ttft is not None:
+        left = min(left, ttft - first_alone_ms)
+    return max(0.0, left) / 1000.0

@@ -1,0 +1,245 @@
+"""Defer: the queue's order and bounds (pure), and the gate holding a request until it fits,
+refusing it when its hold ends or its pool holds all it may, letting go of it when its client
+leaves, and answering every held request when it drains (``extproc.defer``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from extproc import config
+from extproc.admission import Outcome, Reason
+from extproc.capacity import StaticCapacity
+from extproc.defer import PASSED_OVER, Queue, Waiter, predicted_wait_ms
+from extproc.gate import Gate
+from extproc.ledger.memory import MemoryLedger
+from extproc.metrics import Metrics
+from extproc.verdict import Verdict
+
+
+def waiter(key: str, *, priority: int = 0, tenant: str | None = None, weight: float = 1.0,
+           charge: float = 100.0, due: float = 10.0, until: float = 5.0) -> Waiter:
+    return Waiter(key, priority, tenant, weight, charge, 0.0, due, until)
+
+
+def keys(queue: Queue) -> list[str]:
+    return [w.key for w in queue.order()]
+
+
+def test_a_higher_priority_goes_first_whatever_its_deadline() -> None:
+    queue = Queue()
+    for w in (waiter("low", priority=0, due=1.0), waiter("high", priority=2, due=9.0),
+              waiter("mid", priority=1, due=5.0)):
+        queue.push(w)
+    assert keys(queue) == ["high", "mid", "low"]
+
+
+def test_within_a_tenant_the_earliest_deadline_goes_first() -> None:
+    queue = Queue()
+    for w in (waiter("late", due=9.0), waiter("soon", due=2.0), waiter("middle", due=5.0)):
+        queue.push(w)
+    assert keys(queue) == ["soon", "middle", "late"]
+
+
+def test_tenants_share_by_charge_over_weight() -> None:
+    # a weighs 2, b 1, equal charges: a goes twice for each of b's turns
+    queue = Queue()
+    for i in range(4):
+        queue.push(waiter(f"a{i}", tenant="a", weight=2.0, due=float(i)))
+        queue.push(waiter(f"b{i}", tenant="b", weight=1.0, due=float(i)))
+    order = keys(queue)[:6]
+    assert sorted(order[:3]) == ["a0", "a1", "b0"]
+    assert order.count("b1") + order.count("b0") == 2 and sum(k[0] == "a" for k in order) == 4
+
+
+def test_a_tenant_that_was_served_waits_behind_one_that_was_not() -> None:
+    queue = Queue()
+    first = waiter("a0", tenant="a", charge=1000.0)
+    queue.push(first)
+    queue.push(waiter("a1", tenant="a", due=1.0))
+    queue.sent(first)  # a's share has moved on by 1000 ms of GPU
+    queue.push(waiter("b0", tenant="b", due=9.0))
+    assert keys(queue) == ["b0", "a1"]
+
+
+def test_bounds_per_pool_and_per_tenant() -> None:
+    queue = Queue(max_waiting=3, max_waiting_per_tenant=2)
+    queue.push(waiter("a0", tenant="a"))
+    queue.push(waiter("a1", tenant="a"))
+    assert queue.full("a") and not queue.full("b")
+    queue.push(waiter("b0", tenant="b"))
+    assert queue.full("b") and queue.full(None)
+
+
+def test_remove_and_sent_take_it_out_once() -> None:
+    queue = Queue()
+    a, b = waiter("a", charge=30.0), waiter("b", charge=70.0)
+    queue.push(a)
+    queue.push(b)
+    assert queue.held_ms == 100.0 and len(queue) == 2
+    assert queue.remove(a) and not queue.remove(a)
+    queue.sent(b)
+    assert len(queue) == 0 and queue.held_ms == 0.0 and queue.oldest() is None
+
+
+def test_a_pass_decides_a_bounded_number_again() -> None:
+    queue = Queue()
+    for i in range(PASSED_OVER + 3):
+        queue.push(waiter(str(i), due=float(i)))
+    assert [w.key for w in queue.pass_order()] == [str(i) for i in range(PASSED_OVER)]
+
+
+def test_the_work_ahead_counts_higher_bands_and_earlier_deadlines() -> None:
+    queue = Queue()
+    queue.push(waiter("high", priority=1, charge=400.0, due=50.0))
+    queue.push(waiter("early", charge=200.0, due=1.0))
+    queue.push(waiter("late", charge=800.0, due=90.0))
+    assert queue.ahead_ms(0, 10.0) == 600.0
+    assert queue.ahead_ms(1, 10.0) == 0.0
+    assert predicted_wait_ms(100.0, 600.0, 2) == 400.0
+
+
+def test_expired_are_those_past_their_hold() -> None:
+    queue = Queue()
+    queue.push(waiter("short", until=1.0))
+    queue.push(waiter("long", until=9.0))
+    assert [w.key for w in queue.expired(2.0)] == ["short"]
+
+
+# ---- the gate ----
+
+PATH = "/v1/chat/completions"
+
+
+def body(tokens: int) -> bytes:
+    return json.dumps({"model": "m", "max_tokens": tokens,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def gate_for(extra: dict[str, Any] | None = None, **defer: Any) -> Gate:
+    """One replica with one slot, a 20 s deadline without a first-token objective, holding."""
+    cfg = config.from_mapping({
+        "pools": [{"name": "llama", "models": ["*"], "replicas": 1,
+                   "engine": {"max_num_seqs": 1}}],
+        "classes": {"latency": {"deadline_ms": 20_000, "ttft_ms": 0}},
+        "defer": {"enabled": True, **defer}, **(extra or {})})
+    return Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), Metrics())
+
+
+async def check(gate: Gate, tokens: int, holds: list[float] | None = None) -> Verdict:
+    route = gate.config.route(PATH)
+    assert route is not None
+    return await gate.check(route, PATH, {}, body(tokens),
+                            on_hold=None if holds is None else holds.append)
+
+
+async def until_held(gate: Gate, count: int) -> None:
+    async with asyncio.timeout(5):
+        while len(gate.queues["llama"]) < count:
+            await asyncio.sleep(0.005)
+
+
+async def test_a_request_that_fits_after_a_release_is_held_then_sent() -> None:
+    gate = gate_for()
+    first = await check(gate, 1000)
+    assert first.ticket is not None
+    holds: list[float] = []
+    second = asyncio.create_task(check(gate, 1000, holds))
+    await until_held(gate, 1)
+    assert not second.done() and len(holds) == 1 and 0 < holds[0] <= 20.0
+    assert gate.metrics.held.labels("llama", "standard")._value.get() == 1
+    await gate.settle(first.ticket)
+    verdict = await asyncio.wait_for(second, 2)
+    assert verdict.outcome is Outcome.ADMIT and verdict.ticket is not None
+    assert verdict.held_ms > 0 and len(gate.queues["llama"]) == 0
+    assert gate.metrics.held.labels("llama", "standard")._value.get() == 0
+    await gate.settle(verdict.ticket)
+    assert (await gate.ledger.snapshot("llama")).inflight == 0
+
+
+async def test_without_defer_the_same_request_is_refused_at_once() -> None:
+    gate = gate_for(enabled=False)
+    first = await check(gate, 1000)
+    second = await asyncio.wait_for(check(gate, 1000), 1)
+    assert first.ticket is not None and second.outcome is Outcome.REJECT
+    assert len(gate.queues["llama"]) == 0
+
+
+async def test_a_full_queue_refuses_with_queue_full() -> None:
+    gate = gate_for(max_waiting=1)
+    first = await check(gate, 1000)
+    held = asyncio.create_task(check(gate, 1000))
+    await until_held(gate, 1)
+    third = await asyncio.wait_for(check(gate, 1000), 1)
+    assert third.outcome is Outcome.REJECT and third.reason is Reason.QUEUE_FULL
+    assert third.decision is not None and third.decision.retry_after_ms is not None
+    assert first.ticket is not None
+    await gate.settle(first.ticket)
+    sent = await asyncio.wait_for(held, 2)
+    assert sent.ticket is not None
+    await gate.settle(sent.ticket)
+
+
+async def test_a_client_that_leaves_while_held_leaves_the_queue_and_the_ledger() -> None:
+    gate = gate_for()
+    first = await check(gate, 1000)
+    held = asyncio.create_task(check(gate, 1000))
+    await until_held(gate, 1)
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert len(gate.queues["llama"]) == 0
+    assert first.ticket is not None
+    await gate.settle(first.ticket)
+    await asyncio.sleep(0.1)  # a pass that ran now has nothing to send
+    assert (await gate.ledger.snapshot("llama")).inflight == 0
+
+
+async def test_a_hold_ends_with_a_429_when_its_deadline_can_no_longer_be_met() -> None:
+    gate = gate_for()
+    first = await check(gate, 1000)  # ~4.5 s of work on the only slot
+    holds: list[float] = []
+    late = await asyncio.wait_for(check(gate, 3000, holds), 30)  # ~13 s alone: fits 20 s
+    assert holds and late.outcome is Outcome.REJECT
+    assert late.reason in (Reason.QUEUE_DEADLINE, Reason.DEADLINE)
+    assert late.held_ms >= holds[0] * 1000.0 * 0.9
+    assert len(gate.queues["llama"]) == 0
+    assert first.ticket is not None
+    await gate.settle(first.ticket)
+
+
+async def test_drain_answers_every_held_request_at_once() -> None:
+    gate = gate_for()
+    first = await check(gate, 1000)
+    held = [asyncio.create_task(check(gate, 1000)) for _ in range(3)]
+    await until_held(gate, 3)
+    assert gate.refuse_held() == 3
+    answers = await asyncio.wait_for(asyncio.gather(*held), 1)
+    assert all(a.outcome is Outcome.REJECT and a.ticket is None for a in answers)
+    assert first.ticket is not None
+    await gate.settle(first.ticket)
+    assert (await gate.ledger.snapshot("llama")).inflight == 0
+
+
+async def test_a_higher_priority_held_later_is_sent_first() -> None:
+    gate = gate_for({"priority": {"header": "x-priority"}})
+    first = await check(gate, 1000)
+    route = gate.config.route(PATH)
+    assert route is not None
+    low = asyncio.create_task(gate.check(route, PATH, {"x-priority": "sheddable"}, body(100)))
+    await until_held(gate, 1)
+    high = asyncio.create_task(gate.check(route, PATH, {"x-priority": "critical"}, body(100)))
+    await until_held(gate, 2)
+    assert first.ticket is not None
+    await gate.settle(first.ticket)
+    sent = await asyncio.wait_for(high, 2)
+    assert sent.ticket is not None
+    await gate.settle(sent.ticket)
+    after = await asyncio.wait_for(low, 2)
+    assert after.ticket is not None and sent.ticket.started <= after.ticket.started
+    assert sent.held_ms < after.held_ms
+    await gate.settle(after.ticket)
+
