@@ -72,8 +72,10 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     with its ledger checks tightened by that room, or None when nothing is kept; and the
     admission limit it was measured against (0: none), which the pool records once per
     request (``PoolLearning.decided``: deciding only reads)."""
-    protected = [g for g in learning.flows
-                 if (level := level_of(g)) is not None and level > priority]
+    # With defer on, a higher priority that finds the pool full is held and goes first at the
+    # next release (``extproc.defer``): no room is kept for its predicted arrivals.
+    protected = [] if config.defer.enabled else [
+        g for g in learning.flows if (level := level_of(g)) is not None and level > priority]
     several = tenant is not None and config.tenant.fair_share and sum(
         1 for g in learning.flows if tenant_of(g) is not None) > 1
     if not protected and not several:

@@ -58,6 +58,9 @@ class Control:
         self._counts = {name: _Counts() for name in pools}
         self._window_start = clock()
         self.listeners: list[Callable[[], None]] = []  # called after every tick (KEDA)
+        # The requests the gateway holds per pool, and the oldest one's age (extproc.defer):
+        # demand waiting, counted in the window's queue (the gate's ``held``, once built).
+        self.held: Callable[[str], tuple[int, float]] = lambda pool: (0, 0.0)
 
     def decided(self, verdict: Verdict) -> None:
         counts = self._counts.get(verdict.pool or "")
@@ -95,11 +98,13 @@ class Control:
         replicas = self.capacity.replicas(pool)
         slots = self.capacity.capacity(pool).slots
         stale = math.isinf(self.capacity.staleness(pool))
+        held, held_age_s = self.held(pool)
         return Window(
             now=now, duration_s=max(1e-9, now - self._window_start),
             arrivals=counts.arrivals, admitted=counts.admitted, rejected=counts.rejected,
-            departures=counts.departures, oldest_age_s=self.oldest_age_s(pool, now),
-            queue_depth=max(0, len(counts.open) - slots), ready=replicas.ready,
+            departures=counts.departures,
+            oldest_age_s=max(self.oldest_age_s(pool, now), held_age_s),
+            queue_depth=max(0, len(counts.open) - slots) + held, ready=replicas.ready,
             starting=replicas.starting, draining=replicas.draining, stale=stale,
         )
 

@@ -167,8 +167,9 @@ class Gate:
         # runs them while anything is held.
         self.queues = {p.name: Queue(config.defer.max_waiting, config.defer.max_waiting_per_tenant)
                        for p in config.pools}
-        self._passes = {p.name: asyncio.Lock() for p in config.pools}
-        self._woken = {p.name: asyncio.Event() for p in config.pools}
+        # (made with each pool's dispatcher, on the loop that runs it)
+        self._passes: dict[str, asyncio.Lock] = {}
+        self._woken: dict[str, asyncio.Event] = {}
         self._dispatchers: dict[str, asyncio.Task[None]] = {}
         self._pools = {p.name: p for p in config.pools}
         self._held_levels: dict[str, set[int]] = {}  # priority levels ever held, per pool
@@ -441,6 +442,7 @@ class Gate:
         if on_hold is not None:
             on_hold(until - now)
         if pool.name not in self._dispatchers:
+            self._passes[pool.name], self._woken[pool.name] = asyncio.Lock(), asyncio.Event()
             self._dispatchers[pool.name] = asyncio.create_task(self._dispatch(pool.name))
         try:
             async with asyncio.timeout(max(0.0, until - now)):
@@ -457,7 +459,7 @@ class Gate:
                 held.answer.cancel()  # gone (its client, or its hold): a pass that sends it
                 queue.remove(waiter)  # now releases what it reserved (``_pass``)
                 self._count_held(pool.name)
-                self._woken[pool.name].set()
+                self._wake(pool.name)
         if answer is None:
             answer = refused_held(held.last, Reason.QUEUE_DEADLINE,
                                   predicted_wait_ms(None, queue.held_ms, replicas))
@@ -514,6 +516,10 @@ class Gate:
             self._count_held(name)
             held.answer.set_result(verdict)
 
+    def _wake(self, pool: str) -> None:
+        if (woken := self._woken.get(pool)) is not None:
+            woken.set()
+
     def _count_held(self, pool: str) -> None:
         """The held-requests gauge: each level held now, and 0 for those held before."""
         seen = self._held_levels.setdefault(pool, set())
@@ -524,6 +530,11 @@ class Gate:
     def _held_oldest_s(self, pool: str) -> float:
         oldest = self.queues[pool].oldest()
         return 0.0 if oldest is None else max(0.0, self._clock() - oldest)
+
+    def held(self, pool: str) -> tuple[int, float]:
+        """The requests ``pool`` holds, and how long the oldest has waited (seconds): demand
+        the autoscaler counts (``extproc.control``)."""
+        return len(self.queues[pool]), self._held_oldest_s(pool)
 
     def refuse_held(self) -> int:
         """Answer every held request with a 429 at once (the drain: ``extproc.server``);
@@ -540,7 +551,7 @@ class Gate:
                         predicted_wait_ms(None, queue.held_ms, replicas)))
                     refused += 1
             self._count_held(name)
-            self._woken[name].set()
+            self._wake(name)
         return refused
 
     async def _snapshot(self, pool: str, read: bool) -> tuple[Snapshot, float]:
@@ -631,7 +642,7 @@ class Gate:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(self.leases.release(ticket))
         if self.queues[ticket.pool]:
-            self._woken[ticket.pool].set()  # capacity came back: a pass (``_dispatch``)
+            self._wake(ticket.pool)  # capacity came back: a pass (``_dispatch``)
 
     async def heartbeat(self) -> None:
         """Renew the entries of every request running here (``Leases.heartbeat``). Raises

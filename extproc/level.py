@@ -148,18 +148,23 @@ MEASURABLE = (Reason.DEADLINE, Reason.TTFT, Reason.KV_CACHE)  # what the level o
 
 
 def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capacity,
-             level: Level) -> Decision | None:
+             level: Level, left: float = 1.0) -> Decision | None:
     """The model refused a feasible request (``MEASURABLE``); it is admitted (``MEASURED``)
     if a replica has a free slot for it (its sequence limit and its KV cache) and either a
     replica has nothing to do or the pool's work, with it, is within the measured level. The
-    ledger's atomic checks: that work and those slots. None: it stays as decided."""
+    ledger's atomic checks: that work and those slots. None: it stays as decided.
+
+    ``left``: the share of its budget a request the gateway held still has
+    (``extproc.defer``). What the level saw served in time had its whole deadline; work
+    drains in proportion to time, so such a request is held to that share of the level."""
     if decision.reason not in MEASURABLE:
         return None
     n, replicas = snapshot.inflight, capacity.replicas
     free = replicas * capacity.batch_with(snapshot, cost)
     work = snapshot.outstanding_ms + decision.service_ms
-    if n + 1 > free or not (n < replicas or level.admits(work, replicas)):
+    room = level.level_ms * replicas * min(1.0, max(0.0, left))
+    if n + 1 > free or not (n < replicas or (replicas > 0 and work <= room)):
         return None
     return dataclasses.replace(
         decision, outcome=Outcome.ADMIT, reason=Reason.MEASURED, retry_after_ms=None,
-        ceiling_ms=max(work, level.level_ms * replicas), max_inflight=free)
+        ceiling_ms=max(work, room), max_inflight=free)

@@ -200,14 +200,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     body = asyncio.ensure_future(self._on_body(
                         message.request_body, headers, trace, tenant=tenant,
                         one_trip=one_trip, on_hold=holds.put_nowait))
+                    hold: asyncio.Future[float] | None = None
                     try:
                         while not body.done():
                             hold = asyncio.ensure_future(holds.get())
                             await asyncio.wait((body, hold), return_when=asyncio.FIRST_COMPLETED)
-                            hold.cancel()
-                            if hold.done() and not hold.cancelled():
+                            if hold.done():
                                 yield responses.extend_timeout(hold.result())
                     finally:
+                        if hold is not None:
+                            hold.cancel()
                         if not body.done():  # the stream went away while it was held
                             body.cancel()
                             with contextlib.suppress(asyncio.CancelledError):
@@ -391,6 +393,7 @@ class Service:
         self.tracing = Tracing(config.tracing)
         self.gate = Gate(config, ledger, self.capacity, self.metrics, engines=engines,
                          tracing=self.tracing, listeners=(self.control,))
+        self.control.held = self.gate.held
         for name, stats in self.gate.engines.items():
             self.metrics.watch_engines(name, functools.partial(stats.latest, name))
         self.keda: grpc.aio.Server | None = None

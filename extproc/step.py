@@ -214,7 +214,8 @@ def kv_of(ask: Ask, pool: Pool, learning: PoolLearning) -> int:
 def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot: Snapshot,
           replicas: int, now: float, correction: Correction = NO_CORRECTION) -> Admission:
     """Decide one request (module docstring)."""
-    policy = waited(class_policy(config, ask.service_class, ask.deadline_ms), ask.waited_ms)
+    whole = class_policy(config, ask.service_class, ask.deadline_ms)
+    policy = waited(whole, ask.waited_ms)
     cost = cost_of(ask, pool, learning)
     limit = pool.engine.max_model_len
     asked = ask.prompt_tokens + (ask.max_tokens or 0) * max(1, ask.choices)
@@ -238,7 +239,8 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
                                    prefill_tokens=learning.backlog.level(now, rate) / share)
     decision = decide(cost, snapshot, capacity, policy, now)
     if not policy.batch and ask.known_output_tokens is None:  # (the oracle needs no measuring)
-        decision = measured(decision, cost, snapshot, capacity, learning.level) or decision
+        decision = measured(decision, cost, snapshot, capacity, learning.level,
+                            _left(whole, policy)) or decision
     outcome, reason = decision.outcome, decision.reason
     error: RequestError | None = None
     if reason is Reason.INFEASIBLE and ask.waited_ms > 0:
@@ -269,8 +271,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
     limit = 0
     if outcome in (Outcome.ADMIT, Outcome.PASS):
         changed = contention.at_cap(caps, decision, snapshot)
-        if (changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas
-                and not config.defer.enabled):  # (held requests go in order: extproc.defer)
+        if changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas:
             # (while a replica has nothing to do, no room is kept: ``extproc.level``)
             changed, limit = contention.room_for_others(
                 ask.tenant, ask.priority, cost, decision, policy, config, learning, snapshot,
@@ -301,6 +302,15 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         alone=snapshot.inflight < replicas, limit=limit,
         alone_ms=first + cost.typical * pool.engine.itl_ms(1, cost.prompt_tokens),
         first_alone_ms=first)
+
+
+def _left(whole: Policy, now: Policy) -> float:
+    """The share of its budget (its deadline, and its first-token objective if it has one) a
+    request the gateway held still has (1: not held)."""
+    left = now.deadline_ms / whole.deadline_ms
+    if whole.ttft_ms and now.ttft_ms is not None:
+        left = min(left, now.ttft_ms / whole.ttft_ms)
+    return left
 
 
 def waited(policy: Policy, waited_ms: float) -> Policy:

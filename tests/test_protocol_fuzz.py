@@ -39,10 +39,11 @@ PHASES = ("request_headers", "request_body", "request_trailers", "response_heade
           "response_body", "response_trailers")
 
 
-def service_settings() -> dict[str, Any]:
+def service_settings(defer: bool = False) -> dict[str, Any]:
     return {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
             "max_body_bytes": 64 * 1024, "content_encoding": "decode",
-            "pools": [{"name": POOL, "replicas": 1, "engine": {"max_num_seqs": 2}}]}
+            "pools": [{"name": POOL, "replicas": 1, "engine": {"max_num_seqs": 2}}],
+            "defer": {"enabled": defer}}
 
 
 class Errors(logging.Handler):
@@ -68,14 +69,15 @@ class Harness:
     baseline_tasks: int = 0
 
 
-@pytest.fixture(scope="module")
-def harness() -> Iterator[Harness]:
-    """One server on one event loop for every example (a server per example is too slow)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["reject", "defer"])
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    """One server on one event loop for every example (a server per example is too slow);
+    refusing at once, and holding what fits after a wait (extproc.defer)."""
     loop = asyncio.new_event_loop()
     errors = Errors()
 
     async def start() -> tuple[Service, grpc.aio.Channel, pb_grpc.ExternalProcessorStub]:
-        service = Service(config.from_mapping(service_settings()))  # on the loop it serves
+        service = Service(config.from_mapping(service_settings(request.param)))  # its loop
         await service.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}")
         return service, channel, pb_grpc.ExternalProcessorStub(channel)

@@ -185,7 +185,7 @@ class DeferConfig:
 
     enabled: Flag = False
     """Hold a request that does not fit now but would after the predicted wait, instead of a
-    429; Envoy's ext_proc message_timeout is then sized to the longest class deadline."""
+    429 at once; Envoy's ext_proc max_message_timeout is then the longest class deadline."""
     max_waiting: Annotated[Int, within(ge=1)] = 256
     """Requests one pool holds at most; beyond, 429 queue_full."""
     max_waiting_per_tenant: Annotated[Int, within(ge=1)] = 64

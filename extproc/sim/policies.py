@@ -18,14 +18,16 @@
   ``outstanding_ms / replicas + own_ms <= deadline x safety`` admits (no infeasible case, no
   TTFT check).
 - ``default``: the product: the admission step (``extproc.step.admit``) the gateway runs, fed
-  what the gateway knows.
+  what the gateway knows (holding what fits after a wait if the scenario's configuration turns
+  ``defer`` on; it is off by default).
+- ``defer``: the same, holding what fits after a wait (``extproc.defer``) whatever configured.
 - ``oracle``: clairvoyant about lengths: the same step told each request's true output length
   as its promise instead of the learned quantile. Its goodput bounds what a better
   output-length predictor could buy the default; the default's gap to it is what not knowing
   lengths costs.
 
-``none``, ``default`` and ``oracle`` run the production step; the others are baselines that
-exist only here.
+``none``, ``default``, ``defer`` and ``oracle`` run the production step; the others are
+baselines that exist only here.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def NoAdmission() -> Product:
 
 
 def Defer() -> Product:
-    """The product holding what fits after a wait (``extproc.defer``), whatever configured."""
+    """The product holding what fits after a wait (``defer: enabled: true``, whatever the
+    scenario configures: ``extproc.defer``)."""
     return Product(name="defer", defers=True)
 
 

@@ -156,6 +156,7 @@ class Result:
     ready_replica_s: float = 0.0
     idle_replica_s: float = 0.0
     refused_idle_s: int = 0  # seconds of the span with a 429 while a ready replica was idle
+    held_idle_s: int = 0  # ... with a request held after a pass while a ready replica was idle
     peak_replicas: int = 0
     final_replicas: int = 0
     events: int = 0
@@ -214,7 +215,7 @@ class Result:
             "replica_min": round(self.replica_s / 60, 2),
             "ready_replica_min": round(self.ready_replica_s / 60, 2),
             "idle_replica_min": round(self.idle_replica_s / 60, 2),
-            "refused_idle_s": self.refused_idle_s,
+            "refused_idle_s": self.refused_idle_s, "held_idle_s": self.held_idle_s,
             "peak_replicas": self.peak_replicas, "final_replicas": self.final_replicas,
             "events": self.events,
             "groups": {g: {"attempts": t.attempts, "admitted": t.admitted,
@@ -288,6 +289,7 @@ class Simulation:
         self._defers = policy.uses_step and policy.enforce and defer.enabled
         self.queue = Queue(defer.max_waiting, defer.max_waiting_per_tenant)
         self._pass_due = False  # a pass is pushed for now
+        self._held_idle_at = -1  # the last second counted in ``held_idle_s``
         for _ in range(scenario.replicas):
             self._add_replica(ready=True)
 
@@ -457,6 +459,11 @@ class Simulation:
         self._pass_due = False
         for waiter in self.queue.pass_order():
             self._decide(waiter.payload, waiter)
+        second = math.floor(self.now)
+        if (self.queue and second != self._held_idle_at
+                and any(r.idle for r in self.ready)):
+            self._held_idle_at = second  # holding while a replica has nothing to do
+            self.result.held_idle_s += 1
 
     def _decide(self, a: Attempt, held: Waiter | None = None) -> None:
         """The gateway decides ``a`` (again, if it is ``held``): the admission step
@@ -727,6 +734,9 @@ class Simulation:
             marks[r.index] = (r.busy_s, r.occupancy_s, r.work_s)
             ready_time += now - max(r.ready_at, self._last_control)
         oldest_wait = min((r.oldest_waiting() for r in self.ready), default=INF)
+        held_since = self.queue.oldest()  # what the gateway holds waits too (extproc.defer)
+        if held_since is not None:
+            oldest_wait = min(oldest_wait, held_since)
         inflight = self._inflight
         while inflight and inflight[0].released:
             inflight.popleft()
@@ -741,7 +751,7 @@ class Simulation:
             utilization=min(1.0, d_work / ready_time) if ready_time > 0 else 0.0,
             occupancy=min(1.0, d_occ / ready_time) if ready_time > 0 else 0.0,
             busy=min(1.0, d_busy / ready_time) if ready_time > 0 else 0.0,
-            waiting=sum(len(r.waiting) for r in self.ready),
+            waiting=sum(len(r.waiting) for r in self.ready) + len(self.queue),
             oldest_waiting_s=0.0 if oldest_wait == INF else now - oldest_wait,
             inflight=self.ledger.snapshot(self.pool.name).inflight,
             oldest_inflight_s=now - inflight[0].arrival if inflight else 0.0,
