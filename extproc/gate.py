@@ -69,7 +69,7 @@ from extproc import decisionlog
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.capacity import CapacitySource
 from extproc.config import Config, Mode, OnUnavailable, Pool, Route, TracingConfig
-from extproc.defer import DEFERRABLE, Queue, Waiter, hold_s, predicted_wait_ms
+from extproc.defer import DEFERRABLE
 from extproc.enginestats import (
     Bucket,
     Correction,
@@ -80,6 +80,7 @@ from extproc.enginestats import (
 )
 from extproc.errors import LedgerUnavailable, RequestError
 from extproc.estimate import TokenCounter, prompt_tokens
+from extproc.holding import Holding
 from extproc.learning import PoolLearning, learning_for
 from extproc.leases import Leases
 from extproc.ledger import Entry, Ledger
@@ -87,7 +88,7 @@ from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.pricing import Pricing, Uncounted
 from extproc.request import InferenceRequest, deadline_ms, parse
-from extproc.share import parse_priority, priority_label
+from extproc.share import parse_priority
 from extproc.step import (
     NO_CORRECTION,
     Admission,
@@ -100,22 +101,11 @@ from extproc.step import (
 )
 from extproc.telemetry import Tracing, annotate
 from extproc.tenant import Tenant, Tenants
-from extproc.verdict import Listener, Ticket, Verdict, contended, invalid, refused_held
+from extproc.verdict import Listener, Ticket, Verdict, contended, invalid
 
 log = logging.getLogger(__name__)
 
 RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking the room
-RECHECK_S = 0.05  # while requests are held, a pass this often if nothing wakes one sooner
-
-
-@dataclasses.dataclass(eq=False)
-class _Held:
-    """What the gate keeps of a held request (``Waiter.payload``)."""
-
-    answer: asyncio.Future[Verdict]  # set once: by a pass, or by the holder giving up
-    ask: Ask
-    arrived: float  # the gate's clock
-    last: Verdict  # its latest refusal (the 429 it gets if it is refused after all)
 
 
 class Gate:
@@ -163,19 +153,9 @@ class Gate:
         self.tracing = tracing if tracing is not None else Tracing(TracingConfig())  # off
         self.decision_log = (decisionlog.DecisionLog(config.decision_log)
                              if config.decision_log else None)
-        # What each pool holds (extproc.defer), its passes one at a time, and the task that
-        # runs them while anything is held.
-        self.queues = {p.name: Queue(config.defer.max_waiting, config.defer.max_waiting_per_tenant)
-                       for p in config.pools}
-        # (made with each pool's dispatcher, on the loop that runs it)
-        self._passes: dict[str, asyncio.Lock] = {}
-        self._woken: dict[str, asyncio.Event] = {}
-        self._dispatchers: dict[str, asyncio.Task[None]] = {}
         self._pools = {p.name: p for p in config.pools}
-        self._held_levels: dict[str, set[int]] = {}  # priority levels ever held, per pool
-        for pool in config.pools:
-            metrics.held_oldest.labels(pool.name).set_function(
-                functools.partial(self._held_oldest_s, pool.name))
+        self.holding = Holding(config, metrics, self._decide_held, self.settle,
+                               lambda pool: capacity.capacity(pool).replicas, clock)
         for pool in config.pools:
             if not self.pricing.counters[pool.name].exact:
                 log.warning("pool %s has no tokenizer: prompt tokens are estimated at %.1f bytes"
@@ -262,13 +242,12 @@ class Gate:
         self.learning[pool.name].arrived(cls, self.config.classes[cls].batch, arrived,
                                          ask.prompt_tokens, ask.groups)
         started = time.perf_counter()
-        defers = self.config.defer.enabled and self.config.mode is Mode.ENFORCE
-        if defers and self.queues[pool.name]:
-            async with self._passes[pool.name]:  # what is held goes first
-                await self._pass(pool.name)
+        holds = self.config.defer.enabled and self.config.mode is Mode.ENFORCE
+        if holds:
+            await self.holding.first(pool.name)  # what is held has its turn first
         verdict = await self._admit(pool, ask, replicas, engines)
-        if defers and verdict.outcome is Outcome.REJECT and verdict.reason in DEFERRABLE:
-            verdict = await self._hold(pool, ask, verdict, arrived, on_hold)
+        if holds and verdict.outcome is Outcome.REJECT and verdict.reason in DEFERRABLE:
+            verdict = await self.holding.hold(pool.name, ask, verdict, arrived, on_hold)
         if verdict.admission is not None:  # once per request, whatever was asked again
             adm = verdict.admission
             self.learning[pool.name].decided(adm.limit, adm.load_ms, self._clock())
@@ -415,144 +394,13 @@ class Gate:
                 leases.defer_release(request_id, pool.name)
             raise
 
-    async def _hold(self, pool: Pool, ask: Ask, verdict: Verdict, arrived: float,
-                    on_hold: Callable[[float], None] | None) -> Verdict:
-        """Hold a refused request until a pass sends it, its hold ends, or its client goes
-        (``extproc.defer``); or refuse it at once when the predicted wait does not fit or the
-        pool holds all it may."""
-        adm = verdict.admission
-        assert adm is not None and adm.decision is not None
-        queue, now = self.queues[pool.name], self._clock()
-        replicas = self.capacity.capacity(pool.name).replicas
-        until = arrived + hold_s(adm.policy, adm.alone_ms, adm.first_alone_ms)
-        due = arrived + adm.policy.deadline_ms / 1000.0
-        if queue.full(ask.tenant):
-            return refused_held(verdict, Reason.QUEUE_FULL, predicted_wait_ms(
-                adm.retry_after_ms, queue.held_ms, replicas))
-        wait_ms = predicted_wait_ms(0.0, queue.ahead_ms(ask.priority, due), replicas)
-        if now + wait_ms / 1000.0 >= until:
-            return refused_held(verdict, verdict.reason,
-                                max(wait_ms, adm.retry_after_ms or 0.0))
-        weight = self.config.tenant.policy(ask.tenant).weight if ask.tenant else 1.0
-        held = _Held(asyncio.get_running_loop().create_future(), ask, arrived, verdict)
-        waiter = Waiter(uuid.uuid4().hex, ask.priority, ask.tenant, weight,
-                        adm.decision.service_ms, arrived, due, until, held)
-        queue.push(waiter)
-        self._count_held(pool.name)
-        if on_hold is not None:
-            on_hold(until - now)
-        if pool.name not in self._dispatchers:
-            self._passes[pool.name], self._woken[pool.name] = asyncio.Lock(), asyncio.Event()
-            self._dispatchers[pool.name] = asyncio.create_task(self._dispatch(pool.name))
-        try:
-            async with asyncio.timeout(max(0.0, until - now)):
-                answer = await asyncio.shield(held.answer)
-        except TimeoutError:
-            answer = None  # its hold ended: a pass may still be deciding it (below)
-        except asyncio.CancelledError:  # its client left: what a pass just reserved goes
-            if (held.answer.done() and not held.answer.cancelled()
-                    and (sent := held.answer.result().ticket) is not None):
-                await self.settle(sent, completed=False)
-            raise
-        finally:
-            if not held.answer.done():
-                held.answer.cancel()  # gone (its client, or its hold): a pass that sends it
-                queue.remove(waiter)  # now releases what it reserved (``_pass``)
-                self._count_held(pool.name)
-                self._wake(pool.name)
-        if answer is None:
-            answer = refused_held(held.last, Reason.QUEUE_DEADLINE,
-                                  predicted_wait_ms(None, queue.held_ms, replicas))
-        return dataclasses.replace(answer, held_ms=(self._clock() - arrived) * 1000.0)
-
-    async def _dispatch(self, pool: str) -> None:
-        """While the pool holds anything: a pass when capacity comes back (``settle``), or
-        every ``RECHECK_S`` (other gateways' releases, replicas added, time itself)."""
-        queue, woken = self.queues[pool], self._woken[pool]
-        try:
-            while queue:
-                async with self._passes[pool]:
-                    await self._pass(pool)
-                if not queue:
-                    break
-                woken.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(RECHECK_S):
-                        await woken.wait()
-        finally:
-            self._dispatchers.pop(pool, None)
-
-    async def _pass(self, name: str) -> None:
-        """Decide again what ``name`` holds, in its order (``extproc.defer``), each with
-        what it has waited taken from its deadline: send what fits now, refuse what no
-        longer can; the rest waits on."""
-        queue = self.queues[name]
-        for waiter in queue.pass_order():
-            held: _Held = waiter.payload
-            if held.answer.done():
-                continue
-            pool = self._pools[name]
-            replicas = self.capacity.capacity(name).replicas
-            stats = self.engines.get(name)
-            engines = stats.latest(name) if stats is not None else None
-            pool = with_reported_kv(pool, engines, self._reported)
-            now = self._clock()
-            ask = dataclasses.replace(held.ask, waited_ms=(now - held.arrived) * 1000.0)
-            verdict = await self._admit(pool, ask, replicas, engines)
-            if held.answer.done():  # its client left while it was decided
-                if verdict.ticket is not None:
-                    await self.settle(verdict.ticket, completed=False)
-                continue
-            if verdict.outcome is Outcome.REJECT and verdict.reason in DEFERRABLE:
-                if now < waiter.until:
-                    held.last = verdict
-                    continue  # it waits on
-                verdict = refused_held(verdict, Reason.QUEUE_DEADLINE, predicted_wait_ms(
-                    None, queue.held_ms, replicas))
-            if verdict.ticket is not None:
-                queue.sent(waiter)
-            else:
-                queue.remove(waiter)
-            self._count_held(name)
-            held.answer.set_result(verdict)
-
-    def _wake(self, pool: str) -> None:
-        if (woken := self._woken.get(pool)) is not None:
-            woken.set()
-
-    def _count_held(self, pool: str) -> None:
-        """The held-requests gauge: each level held now, and 0 for those held before."""
-        seen = self._held_levels.setdefault(pool, set())
-        for level, count in self.queues[pool].depth(seen).items():
-            seen.add(level)
-            self.metrics.held.labels(pool, priority_label(level)).set(count)
-
-    def _held_oldest_s(self, pool: str) -> float:
-        oldest = self.queues[pool].oldest()
-        return 0.0 if oldest is None else max(0.0, self._clock() - oldest)
-
-    def held(self, pool: str) -> tuple[int, float]:
-        """The requests ``pool`` holds, and how long the oldest has waited (seconds): demand
-        the autoscaler counts (``extproc.control``)."""
-        return len(self.queues[pool]), self._held_oldest_s(pool)
-
-    def refuse_held(self) -> int:
-        """Answer every held request with a 429 at once (the drain: ``extproc.server``);
-        returns how many."""
-        refused = 0
-        for name, queue in self.queues.items():
-            replicas = self.capacity.capacity(name).replicas
-            for waiter in list(queue.order()):
-                held: _Held = waiter.payload
-                queue.remove(waiter)
-                if not held.answer.done():
-                    held.answer.set_result(refused_held(
-                        held.last, Reason.QUEUE_FULL,
-                        predicted_wait_ms(None, queue.held_ms, replicas)))
-                    refused += 1
-            self._count_held(name)
-            self._wake(name)
-        return refused
+    async def _decide_held(self, name: str, ask: Ask) -> Verdict:
+        """A held request decided again (``extproc.holding``), on the pool as it is now."""
+        replicas = self.capacity.capacity(name).replicas
+        stats = self.engines.get(name)
+        engines = stats.latest(name) if stats is not None else None
+        pool = with_reported_kv(self._pools[name], engines, self._reported)
+        return await self._admit(pool, ask, replicas, engines)
 
     async def _snapshot(self, pool: str, read: bool) -> tuple[Snapshot, float]:
         """The snapshot to decide on, and when its call was sent (time.monotonic; after the
@@ -641,8 +489,7 @@ class Gate:
             ticket.log = None
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(self.leases.release(ticket))
-        if self.queues[ticket.pool]:
-            self._wake(ticket.pool)  # capacity came back: a pass (``_dispatch``)
+        self.holding.released(ticket.pool)  # capacity came back: a pass, if any is held
 
     async def heartbeat(self) -> None:
         """Renew the entries of every request running here (``Leases.heartbeat``). Raises

@@ -393,7 +393,7 @@ class Service:
         self.tracing = Tracing(config.tracing)
         self.gate = Gate(config, ledger, self.capacity, self.metrics, engines=engines,
                          tracing=self.tracing, listeners=(self.control,))
-        self.control.held = self.gate.held
+        self.control.held = self.gate.holding.held
         for name, stats in self.gate.engines.items():
             self.metrics.watch_engines(name, functools.partial(stats.latest, name))
         self.keda: grpc.aio.Server | None = None
@@ -523,7 +523,7 @@ class Service:
         while streams are open (up to the grace), stop."""
         self.draining = True
         await self.health.enter_graceful_shutdown()
-        self.gate.refuse_held()
+        self.gate.holding.refuse_all()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_grace_s
         idle_since: float | None = None

@@ -142,7 +142,7 @@ async def check(gate: Gate, tokens: int, holds: list[float] | None = None) -> Ve
 
 async def until_held(gate: Gate, count: int) -> None:
     async with asyncio.timeout(5):
-        while len(gate.queues["llama"]) < count:  # noqa: ASYNC110  (a poll, in a test)
+        while len(gate.holding.queues["llama"]) < count:  # noqa: ASYNC110  (a poll, in a test)
             await asyncio.sleep(0.005)
 
 
@@ -158,7 +158,7 @@ async def test_a_request_that_fits_after_a_release_is_held_then_sent() -> None:
     await gate.settle(first.ticket)
     verdict = await asyncio.wait_for(second, 2)
     assert verdict.outcome is Outcome.ADMIT and verdict.ticket is not None
-    assert verdict.held_ms > 0 and len(gate.queues["llama"]) == 0
+    assert verdict.held_ms > 0 and len(gate.holding.queues["llama"]) == 0
     assert gate.metrics.held.labels("llama", "standard")._value.get() == 0
     await gate.settle(verdict.ticket)
     assert (await gate.ledger.snapshot("llama")).inflight == 0
@@ -169,7 +169,7 @@ async def test_without_defer_the_same_request_is_refused_at_once() -> None:
     first = await check(gate, 1000)
     second = await asyncio.wait_for(check(gate, 1000), 1)
     assert first.ticket is not None and second.outcome is Outcome.REJECT
-    assert len(gate.queues["llama"]) == 0
+    assert len(gate.holding.queues["llama"]) == 0
 
 
 async def test_a_full_queue_refuses_with_queue_full() -> None:
@@ -195,7 +195,7 @@ async def test_a_client_that_leaves_while_held_leaves_the_queue_and_the_ledger()
     held.cancel()
     with pytest.raises(asyncio.CancelledError):
         await held
-    assert len(gate.queues["llama"]) == 0
+    assert len(gate.holding.queues["llama"]) == 0
     assert first.ticket is not None
     await gate.settle(first.ticket)
     await asyncio.sleep(0.1)  # a pass that ran now has nothing to send
@@ -210,7 +210,7 @@ async def test_a_hold_ends_with_a_429_when_its_deadline_can_no_longer_be_met() -
     assert holds and late.outcome is Outcome.REJECT
     assert late.reason in (Reason.QUEUE_DEADLINE, Reason.DEADLINE)
     assert late.held_ms >= holds[0] * 1000.0 * 0.9
-    assert len(gate.queues["llama"]) == 0
+    assert len(gate.holding.queues["llama"]) == 0
     assert first.ticket is not None
     await gate.settle(first.ticket)
 
@@ -220,7 +220,7 @@ async def test_drain_answers_every_held_request_at_once() -> None:
     first = await check(gate, 1000)
     held = [asyncio.create_task(check(gate, 1000)) for _ in range(3)]
     await until_held(gate, 3)
-    assert gate.refuse_held() == 3
+    assert gate.holding.refuse_all() == 3
     answers = await asyncio.wait_for(asyncio.gather(*held), 1)
     assert all(a.outcome is Outcome.REJECT and a.ticket is None for a in answers)
     assert first.ticket is not None
@@ -252,14 +252,14 @@ async def test_a_higher_priority_held_later_is_sent_first() -> None:
 async def test_held_requests_are_demand_in_the_autoscalers_window() -> None:
     gate = gate_for()
     control = Control({"llama": ScalingPolicy()}, gate.capacity, gate.metrics)
-    control.held = gate.held
+    control.held = gate.holding.held
     first = await check(gate, 1000)
     held = [asyncio.create_task(check(gate, 1000)) for _ in range(3)]
     await until_held(gate, 3)
     await asyncio.sleep(0.05)
     window = control.window("llama", gate._clock())
     assert window.queue_depth == 3 and window.oldest_age_s >= 0.05
-    gate.refuse_held()
+    gate.holding.refuse_all()
     await asyncio.gather(*held)
     assert control.window("llama", gate._clock()).queue_depth == 0
     assert first.ticket is not None

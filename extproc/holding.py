@@ -1,0 +1,210 @@
+"""The gate's held requests (``extproc.defer``): each waits on its own ext_proc stream while one
+task per pool decides what is held again, in the queue's order, whenever capacity may have come
+back. No Envoy, no ledger: the gate passes in how a held request is decided again and how an
+admitted one is settled.
+
+- ``hold``: a request the step refused for what waiting can undo is held if it would still
+  finish in time after the predicted wait (else refused at once, as before); it waits until a
+  pass sends it, its hold ends (429 ``queue_deadline``) or its stream goes (cancelled: it
+  leaves the queue, and what a pass had just reserved for it is settled).
+- ``first``: an arrival lets what is held have its turn before it is decided itself.
+- ``released``: a request ended: a pass now; else one every ``RECHECK_S`` while anything is
+  held (other gateways' releases, replicas added, time itself).
+- ``refuse_all``: the drain answers every held request with a 429 at once.
+
+A request is answered once: by a pass (``answer`` set) or by its holder giving up (``answer``
+cancelled); a pass that admitted a request whose holder gave up meanwhile settles it, so no
+ledger entry outlives its stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import Awaitable, Callable
+
+from extproc.admission import Outcome, Reason
+from extproc.config import Config
+from extproc.defer import DEFERRABLE, Queue, Waiter, hold_s, predicted_wait_ms
+from extproc.metrics import Metrics
+from extproc.share import priority_label
+from extproc.step import Ask
+from extproc.verdict import Ticket, Verdict, refused_held
+
+RECHECK_S = 0.05  # while requests are held, a pass this often if nothing wakes one sooner
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """What is kept of a held request (``Waiter.payload``)."""
+
+    answer: asyncio.Future[Verdict]  # set once: by a pass, or cancelled by its holder leaving
+    ask: Ask
+    arrived: float  # the gate's clock
+    last: Verdict  # its latest refusal (the 429 it gets if it is refused after all)
+
+
+class Holding:
+    """What each pool holds, the passes over it one at a time, and the task running them."""
+
+    def __init__(self, config: Config, metrics: Metrics,
+                 decide: Callable[[str, Ask], Awaitable[Verdict]],
+                 settle: Callable[[Ticket, bool], Awaitable[None]],
+                 replicas: Callable[[str], int], clock: Callable[[], float]) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._decide = decide  # a held request decided again, on its pool as it is now
+        self._settle = settle
+        self._replicas = replicas
+        self._clock = clock
+        self.queues = {p.name: Queue(config.defer.max_waiting,
+                                     config.defer.max_waiting_per_tenant)
+                       for p in config.pools}
+        # made with each pool's dispatcher, on the loop that runs it
+        self._passes: dict[str, asyncio.Lock] = {}
+        self._woken: dict[str, asyncio.Event] = {}
+        self._dispatchers: dict[str, asyncio.Task[None]] = {}
+        self._levels: dict[str, set[int]] = {}  # priority levels ever held, per pool
+        for pool in config.pools:
+            metrics.held_oldest.labels(pool.name).set_function(
+                lambda name=pool.name: self.held(name)[1])
+
+    async def first(self, pool: str) -> None:
+        """An arrival: what ``pool`` holds has its turn first."""
+        if self.queues[pool]:
+            async with self._passes[pool]:
+                await self._pass(pool)
+
+    async def hold(self, pool: str, ask: Ask, verdict: Verdict, arrived: float,
+                   on_hold: Callable[[float], None] | None) -> Verdict:
+        """Hold a refused request until a pass sends it, its hold ends, or its client goes;
+        or refuse it at once when the predicted wait does not fit or the pool holds all it
+        may. ``on_hold``: told how long it may be held (seconds), before it waits."""
+        adm = verdict.admission
+        assert adm is not None and adm.decision is not None
+        queue, now = self.queues[pool], self._clock()
+        replicas = self._replicas(pool)
+        until = arrived + hold_s(adm.policy, adm.alone_ms, adm.first_alone_ms)
+        due = arrived + adm.policy.deadline_ms / 1000.0
+        if queue.full(ask.tenant):
+            return refused_held(verdict, Reason.QUEUE_FULL, predicted_wait_ms(
+                adm.retry_after_ms, queue.held_ms, replicas))
+        wait_ms = predicted_wait_ms(0.0, queue.ahead_ms(ask.priority, due), replicas)
+        if now + wait_ms / 1000.0 >= until:
+            return refused_held(verdict, verdict.reason,
+                                max(wait_ms, adm.retry_after_ms or 0.0))
+        weight = self.config.tenant.policy(ask.tenant).weight if ask.tenant else 1.0
+        held = _Held(asyncio.get_running_loop().create_future(), ask, arrived, verdict)
+        waiter = Waiter(uuid.uuid4().hex, ask.priority, ask.tenant, weight,
+                        adm.decision.service_ms, arrived, due, until, held)
+        queue.push(waiter)
+        self._count(pool)
+        if on_hold is not None:
+            on_hold(until - now)
+        if pool not in self._dispatchers:
+            self._passes[pool], self._woken[pool] = asyncio.Lock(), asyncio.Event()
+            self._dispatchers[pool] = asyncio.create_task(self._dispatch(pool))
+        try:
+            async with asyncio.timeout(max(0.0, until - now)):
+                answer = await asyncio.shield(held.answer)
+        except TimeoutError:
+            answer = None  # its hold ended: a pass may still be deciding it (below)
+        except asyncio.CancelledError:  # its client left: what a pass just reserved goes
+            if (held.answer.done() and not held.answer.cancelled()
+                    and (sent := held.answer.result().ticket) is not None):
+                await self._settle(sent, False)
+            raise
+        finally:
+            if not held.answer.done():
+                held.answer.cancel()  # gone: a pass that sends it now settles it (``_pass``)
+                queue.remove(waiter)
+                self._count(pool)
+                self.released(pool)
+        if answer is None:
+            answer = refused_held(held.last, Reason.QUEUE_DEADLINE,
+                                  predicted_wait_ms(None, queue.held_ms, replicas))
+        return dataclasses.replace(answer, held_ms=(self._clock() - arrived) * 1000.0)
+
+    def released(self, pool: str) -> None:
+        """Capacity may have come back: a pass now, if anything is held."""
+        if (woken := self._woken.get(pool)) is not None:
+            woken.set()
+
+    async def _dispatch(self, pool: str) -> None:
+        """While the pool holds anything: a pass when woken, or every ``RECHECK_S``."""
+        queue, woken = self.queues[pool], self._woken[pool]
+        try:
+            while queue:
+                async with self._passes[pool]:
+                    await self._pass(pool)
+                if not queue:
+                    break
+                woken.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(RECHECK_S):
+                        await woken.wait()
+        finally:
+            self._dispatchers.pop(pool, None)
+
+    async def _pass(self, pool: str) -> None:
+        """Decide again what ``pool`` holds, in its order (``extproc.defer``), each with what
+        it has waited taken from its deadline: send what fits now, refuse what no longer can;
+        the rest waits on."""
+        queue = self.queues[pool]
+        for waiter in queue.pass_order():
+            held: _Held = waiter.payload
+            if held.answer.done():
+                continue
+            now = self._clock()
+            verdict = await self._decide(pool, dataclasses.replace(
+                held.ask, waited_ms=(now - held.arrived) * 1000.0))
+            if held.answer.done():  # its client left while it was decided
+                if verdict.ticket is not None:
+                    await self._settle(verdict.ticket, False)
+                continue
+            if verdict.outcome is Outcome.REJECT and verdict.reason in DEFERRABLE:
+                if now < waiter.until:
+                    held.last = verdict
+                    continue  # it waits on
+                verdict = refused_held(verdict, Reason.QUEUE_DEADLINE, predicted_wait_ms(
+                    None, queue.held_ms, self._replicas(pool)))
+            if verdict.ticket is not None:
+                queue.sent(waiter)
+            else:
+                queue.remove(waiter)
+            self._count(pool)
+            held.answer.set_result(verdict)
+
+    def _count(self, pool: str) -> None:
+        """The held-requests gauge: each level held now, and 0 for those held before."""
+        seen = self._levels.setdefault(pool, set())
+        for level, count in self.queues[pool].depth(seen).items():
+            seen.add(level)
+            self.metrics.held.labels(pool, priority_label(level)).set(count)
+
+    def held(self, pool: str) -> tuple[int, float]:
+        """The requests ``pool`` holds, and how long the oldest has waited (seconds): demand
+        the autoscaler counts (``extproc.control``)."""
+        queue = self.queues[pool]
+        oldest = queue.oldest()
+        return len(queue), 0.0 if oldest is None else max(0.0, self._clock() - oldest)
+
+    def refuse_all(self) -> int:
+        """Answer every held request with a 429 at once (the drain: ``extproc.server``);
+        returns how many."""
+        refused = 0
+        for pool, queue in self.queues.items():
+            replicas = self._replicas(pool)
+            for waiter in list(queue.order()):
+                held: _Held = waiter.payload
+                queue.remove(waiter)
+                if not held.answer.done():
+                    held.answer.set_result(refused_held(
+                        held.last, Reason.QUEUE_FULL,
+                        predicted_wait_ms(None, queue.held_ms, replicas)))
+                    refused += 1
+            self._count(pool)
+            self.released(pool)
+        return refused
