@@ -14,6 +14,10 @@ or records the entry and forwards the request to the least-loaded ready replica 
 conversation to its last turn's replica, unless that one is much busier: ``target``). The entry is
 released when the request's stream ends: its last token, or its client giving up. Leases never
 expire in the simulator: no stream is ever lost, so the lease backstop has nothing to do.
+With ``defer`` on (the scenario's configuration, or the ``defer`` policy) a refused request is
+held as the gate holds it (``extproc.defer``'s queue, decided again by the same step with what
+it waited taken from its deadline): a pass runs at each release, each arrival that finds
+requests held, a replica made ready, and each held request's hold end.
 
 Length: past the house's ~400 lines for one event loop, ``Simulation``, whose handlers share
 its heap, replicas and tallies; the result types (``Scenario``, ``Result``) are the next to
