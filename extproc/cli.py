@@ -373,7 +373,8 @@ def parser() -> argparse.ArgumentParser:
     rate.add_argument("--rate-x", type=_positive,
                       help="replay at this multiple of the trace's rate")
     r.add_argument("--policies", default="none,naive,article,default,oracle",
-                   help="comma-separated: none, naive, article, default, oracle")
+                   help="comma-separated: none, naive, saturation, article, default, defer,"
+                        " oracle, limit-N")
     r.add_argument("--config", type=_input_file,
                    help="the gateway's YAML config: its first pool is the fleet")
     r.add_argument("--replicas", type=_count, help="fleet size (overrides the config's)")

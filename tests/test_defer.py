@@ -17,11 +17,12 @@ from extproc.capacity import StaticCapacity
 from extproc.control import Control
 from extproc.defer import PASSED_OVER, Queue, Waiter, predicted_wait_ms
 from extproc.gate import Gate
-from extproc.ledger.memory import MemoryLedger
 from extproc.metrics import Metrics
+from extproc.server import build_ledger
 from extproc.sim import families, policies
 from extproc.sim.run import simulate
 from extproc.verdict import Verdict
+from tests.redis_server import RedisServer
 
 
 def waiter(key: str, *, priority: int = 0, tenant: str | None = None, weight: float = 1.0,
@@ -130,7 +131,8 @@ def gate_for(extra: dict[str, Any] | None = None, **defer: Any) -> Gate:
                    "engine": {"max_num_seqs": 1}}],
         "classes": {"latency": {"deadline_ms": 20_000, "ttft_ms": 0}},
         "defer": {"enabled": True, **defer}, **(extra or {})})
-    return Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), Metrics())
+    metrics = Metrics()
+    return Gate(cfg, build_ledger(cfg, metrics), StaticCapacity(cfg.pools), metrics)
 
 
 async def check(gate: Gate, tokens: int, holds: list[float] | None = None) -> Verdict:
@@ -281,3 +283,34 @@ def test_the_simulator_holds_by_priority_where_reject_only_refuses_critical_work
     critical = holding.groups["p:1"]
     assert critical.good >= 0.85 * critical.attempts
     assert holding.held_idle_s == 0 and refusing.held_idle_s == 0
+
+
+
+@pytest.mark.redis
+async def test_two_gateways_on_one_redis_hold_and_send_and_leave_nothing_behind() -> None:
+    """Two gates sharing a Redis ledger, one slot: requests alternate between them; each gate
+    holds what does not fit and sends it when a request ends (its own at once, the other
+    gate's within a recheck), and no ledger entry is left at the end."""
+    with RedisServer() as server:
+        extra = {"ledger": {"kind": "redis", "url": server.url}}
+        gates = [gate_for(extra), gate_for(extra)]
+        try:
+            async def one(gate: Gate) -> tuple[Gate, Verdict]:
+                return gate, await check(gate, 200)
+
+            tasks = [asyncio.create_task(one(gates[i % 2])) for i in range(6)]
+            admitted, most_held = 0, 0
+            async with asyncio.timeout(30):
+                for done in asyncio.as_completed(tasks):
+                    most_held = max(most_held, sum(len(g.holding.queues["llama"])
+                                                   for g in gates))
+                    gate, verdict = await done
+                    assert verdict.ticket is not None, verdict.reason
+                    admitted += 1
+                    await asyncio.sleep(0.05)
+                    await gate.settle(verdict.ticket)
+            assert admitted == 6 and most_held >= 1
+            assert (await gates[0].ledger.snapshot("llama")).inflight == 0
+        finally:
+            for gate in gates:
+                await gate.ledger.close()  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ replay shows is what ``extproc serve`` does. Modules, in the order a request mee
 - ``workload`` (top level, ``extproc.workload``): jobs from traces, JSONL, decision logs or
   synthetic generators;
 - ``clients``: attempts, SDK-like retries and timeouts;
-- ``policies``: none, naive, article, default, oracle;
+- ``policies``: none, naive, saturation, limit-N, article, default, defer, oracle;
 - ``engine``: one continuous-batching replica in virtual time (batched token steps);
 - ``autoscaler``: replica recommenders (HPA baseline; pluggable);
 - ``run``: the event loop, the fleet and the gateway; a ``Result``;
