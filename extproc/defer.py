@@ -175,11 +175,6 @@ class Queue:
         (module docstring). A list: the pass changes the queue as it goes."""
         return list(itertools.islice(self.order(), PASSED_OVER))
 
-    def expired(self, now: float) -> list[Waiter]:
-        """The held requests whose hold has ended by ``now``."""
-        return [w for tenants in self._bands.values() for queued in tenants.values()
-                for _, _, w in queued if w.until <= now]
-
     def oldest(self) -> float | None:
         """When the longest-held request arrived (None: none held)."""
         return min((w.arrived for tenants in self._bands.values() for queued in

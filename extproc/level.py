@@ -82,10 +82,6 @@ class Level:
     _top_missed: float = 0.0
     _top_allowed: float = 0.0  # ... and the misses the baseline allows them
 
-    def admits(self, work_ms: float, replicas: int) -> bool:
-        """Whether the level covers ``work_ms`` outstanding, a new request's included."""
-        return replicas > 0 and work_ms <= self.level_ms * replicas
-
     @property
     def baseline(self) -> float:
         """The miss rate at low load: measured, with the model's unavoidable chance as prior."""

@@ -107,13 +107,6 @@ def test_the_work_ahead_counts_higher_bands_and_earlier_deadlines() -> None:
     assert predicted_wait_ms(100.0, 600.0, 2) == 400.0
 
 
-def test_expired_are_those_past_their_hold() -> None:
-    queue = Queue()
-    queue.push(waiter("short", until=1.0))
-    queue.push(waiter("long", until=9.0))
-    assert [w.key for w in queue.expired(2.0)] == ["short"]
-
-
 # ---- the gate ----
 
 PATH = "/v1/chat/completions"
