@@ -29,9 +29,9 @@ last sent. A tenant that held nothing for a while gets no credit for it (``V`` h
 that finds a queue runs a *pass*: the held requests are decided again in that order, each on
 the pool as it is now, with what it has waited taken from its deadline. The first that fits
 goes; one that does not fit is passed over for the next (a smaller one may fit where it does
-not), so no capacity idles while something held fits; a pass gives up after ``PASSED_OVER``
-held requests did not fit (each costs a decision). A lower band's request is sent only while
-every higher one held was tried in the same pass and did not fit. A new arrival is decided
+not); a pass decides the first ``PASSED_OVER`` held requests in order (each costs a decision),
+so what it sends is among the best-ranked. A lower band's request is sent only while every
+higher one before it in the pass was decided and did not fit. A new arrival is decided
 after the pass: it goes if it fits then (what was held before it had its turn), else it is
 held or refused.
 
@@ -54,7 +54,7 @@ from extproc.admission import Policy, Reason
 # The refusals waiting can undo: the pool is busy now, or its room is kept for others.
 DEFERRABLE = frozenset({Reason.DEADLINE, Reason.TTFT, Reason.KV_CACHE, Reason.NO_CAPACITY,
                         Reason.PRIORITY, Reason.FAIR_SHARE})
-PASSED_OVER = 4  # held requests a pass decides again without sending one, then it stops
+PASSED_OVER = 4  # held requests a pass decides again, the best-ranked first
 
 
 @dataclass(eq=False, slots=True)
