@@ -47,9 +47,12 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from extproc.admission import Policy, Reason
+
+if TYPE_CHECKING:
+    from extproc.step import Admission
 
 # The refusals waiting can undo: the pool is busy now, or its room is kept for others.
 DEFERRABLE = frozenset({Reason.DEADLINE, Reason.TTFT, Reason.KV_CACHE, Reason.NO_CAPACITY,
@@ -202,3 +205,32 @@ def hold_s(policy: Policy, alone_ms: float, first_alone_ms: float) -> float:
     if ttft is not None:
         left = min(left, ttft - first_alone_ms)
     return max(0.0, left) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request that is not held after all: its 429's reason (None: the step's stands) and
+    Retry-After (ms, the queue's predicted drain)."""
+
+    reason: Reason | None
+    retry_ms: float
+
+
+def enter(queue: Queue, adm: Admission, tenant: str | None, weight: float, *, arrived: float,
+          now: float, replicas: int, payload: Any) -> Waiter | Refused:
+    """Hold a request the step refused (``adm``, its reason ``DEFERRABLE``) if it would still
+    finish in time after the predicted wait and the queue has room (module docstring): the
+    waiter pushed, or why not. The gate and the simulator both call it."""
+    assert adm.decision is not None
+    if queue.full(tenant):
+        return Refused(Reason.QUEUE_FULL,
+                       predicted_wait_ms(adm.retry_after_ms, queue.held_ms, replicas))
+    until = arrived + hold_s(adm.policy, adm.alone_ms, adm.first_alone_ms)
+    due = arrived + adm.policy.deadline_ms / 1000.0
+    wait_ms = predicted_wait_ms(None, queue.ahead_ms(adm.priority, due), replicas)
+    if now + wait_ms / 1000.0 >= until:
+        return Refused(None, max(wait_ms, adm.retry_after_ms or 0.0))
+    waiter = Waiter(str(next(queue._seq)), adm.priority, tenant, weight,
+                    adm.decision.service_ms, arrived, due, until, payload)
+    queue.push(waiter)
+    return waiter

@@ -22,12 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import uuid
 from collections.abc import Awaitable, Callable
 
 from extproc.admission import Outcome, Reason
 from extproc.config import Config
-from extproc.defer import DEFERRABLE, Queue, Waiter, hold_s, predicted_wait_ms
+from extproc.defer import DEFERRABLE, Queue, Refused, enter, predicted_wait_ms
 from extproc.metrics import Metrics
 from extproc.share import priority_label
 from extproc.step import Ask
@@ -83,23 +82,16 @@ class Holding:
         or refuse it at once when the predicted wait does not fit or the pool holds all it
         may. ``on_hold``: told how long it may be held (seconds), before it waits."""
         adm = verdict.admission
-        assert adm is not None and adm.decision is not None
+        assert adm is not None
         queue, now = self.queues[pool], self._clock()
         replicas = self._replicas(pool)
-        until = arrived + hold_s(adm.policy, adm.alone_ms, adm.first_alone_ms)
-        due = arrived + adm.policy.deadline_ms / 1000.0
-        if queue.full(ask.tenant):
-            return refused_held(verdict, Reason.QUEUE_FULL, predicted_wait_ms(
-                adm.retry_after_ms, queue.held_ms, replicas))
-        wait_ms = predicted_wait_ms(0.0, queue.ahead_ms(ask.priority, due), replicas)
-        if now + wait_ms / 1000.0 >= until:
-            return refused_held(verdict, verdict.reason,
-                                max(wait_ms, adm.retry_after_ms or 0.0))
         weight = self.config.tenant.policy(ask.tenant).weight if ask.tenant else 1.0
         held = _Held(asyncio.get_running_loop().create_future(), ask, arrived, verdict)
-        waiter = Waiter(uuid.uuid4().hex, ask.priority, ask.tenant, weight,
-                        adm.decision.service_ms, arrived, due, until, held)
-        queue.push(waiter)
+        waiter = enter(queue, adm, ask.tenant, weight, arrived=arrived, now=now,
+                       replicas=replicas, payload=held)
+        if isinstance(waiter, Refused):
+            return refused_held(verdict, waiter.reason or verdict.reason, waiter.retry_ms)
+        until = waiter.until
         self._count(pool)
         if on_hold is not None:
             on_hold(until - now)

@@ -37,7 +37,7 @@ from typing import Any
 
 from extproc.admission import Outcome, Policy, Reason, Snapshot
 from extproc.config import Config, Pool, TenantSource
-from extproc.defer import DEFERRABLE, Queue, Waiter, hold_s, predicted_wait_ms
+from extproc.defer import DEFERRABLE, Queue, Refused, Waiter, enter
 from extproc.engine import EngineModel
 from extproc.learning import PoolLearning
 from extproc.ledger import Entry
@@ -490,11 +490,11 @@ class Simulation:
                 if held is not None and now < held.until:
                     return  # held on
                 if held is None:
-                    retry_ms = self._hold(a, adm)
-                    if retry_ms is None:
+                    refused = self._hold(a, adm)
+                    if refused is None:
                         return  # held
-                    adm = _refused(adm, Reason.QUEUE_FULL if retry_ms < 0 else adm.reason)
-                    retry_ms = abs(retry_ms)
+                    adm = _refused(adm, refused.reason or adm.reason)
+                    retry_ms = refused.retry_ms
                 else:
                     adm = _refused(adm, Reason.QUEUE_DEADLINE)
             learning.decided(adm.limit, adm.load_ms, now)
@@ -557,26 +557,17 @@ class Simulation:
         target.submit(a, now)
         self._timeouts.append((now + self.scenario.clients.timeout_s, a))
 
-    def _hold(self, a: Attempt, adm: Admission) -> float | None:
-        """Hold a refused request if it would fit after the predicted wait (``extproc.defer``):
-        None, held; else the Retry-After of its 429 in ms (negative: the queue is full)."""
-        queue, now = self.queue, self.now
-        replicas = len(self.ready)
-        until = a.arrival + hold_s(adm.policy, adm.alone_ms, adm.first_alone_ms)
-        due = a.arrival + a.deadline_s
-        wait_ms = predicted_wait_ms(0.0, queue.ahead_ms(adm.priority, due),
-                                    replicas)
-        if queue.full(a.ask.tenant):
-            return -predicted_wait_ms(adm.retry_after_ms, queue.held_ms, replicas)
-        if now + wait_ms / 1000.0 >= until:
-            return wait_ms
+    def _hold(self, a: Attempt, adm: Admission) -> Refused | None:
+        """Hold a refused request as the gate does (``extproc.defer.enter``): None, held;
+        else why not, and its 429's Retry-After."""
         tenant = a.ask.tenant
         weight = self.config.tenant.policy(tenant).weight if tenant is not None else 1.0
-        waiter = Waiter(a.key, adm.priority, tenant, weight, adm.charge_ms * max(replicas, 1),
-                        a.arrival, due, until, a)
-        queue.push(waiter)
+        waiter = enter(self.queue, adm, tenant, weight, arrived=a.arrival, now=self.now,
+                       replicas=len(self.ready), payload=a)
+        if isinstance(waiter, Refused):
+            return waiter
         a.outcome = "held"
-        self._push(until, _EXPIRE, waiter)
+        self._push(waiter.until, _EXPIRE, waiter)
         return None
 
     def _reject(self, a: Attempt, retry_ms: float | None) -> None:
