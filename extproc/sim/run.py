@@ -159,7 +159,8 @@ class Result:
     replica_s: float = 0.0
     ready_replica_s: float = 0.0
     idle_replica_s: float = 0.0
-    refused_idle_s: int = 0  # seconds of the span with a 429 while a ready replica was idle
+    refused_idle_s: int = 0  # seconds of the span with a 429 of a request that would have
+    # made it alone (``feasible_alone``) on the replica it would have gone to, idle then
     held_idle_s: int = 0  # ... with a request held after a pass while a ready replica was idle
     peak_replicas: int = 0
     final_replicas: int = 0
@@ -240,6 +241,20 @@ def _quantile(values: list[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def feasible_alone(a: Attempt, engine: EngineModel) -> bool:
+    """Whether ``a`` would meet its deadline and first-token objective alone on an idle
+    replica, timed by the simulated engine itself (its true output length, no prefix cached):
+    a request whose refusal while a replica has nothing to do is work lost
+    (``Result.refused_idle_s``), unlike one no admission could have served in time."""
+    total = a.prompt_tokens + a.output_tokens
+    if total > engine.max_model_len or (engine.kv_tokens and total > engine.kv_tokens):
+        return False
+    first_ms = engine.step_base_ms + engine.prefill_ms(a.prompt_tokens)
+    whole_ms = first_ms + a.output_tokens * engine.itl_ms(1, a.prompt_tokens + a.output_tokens / 2)
+    return whole_ms <= a.deadline_s * 1000.0 and (
+        a.ttft_objective_s is None or first_ms <= a.ttft_objective_s * 1000.0)
 
 
 class Simulation:
@@ -576,9 +591,10 @@ class Simulation:
         a.outcome = "rejected"
         res.rejected += 1
         second = math.floor(now)
-        if (second != self._refused_idle_at and now < res.span_s
-                and any(r.idle for r in self.ready)):
-            self._refused_idle_at = second  # refusing while a replica has nothing to do
+        routed = self._routed(a.job.prefix_key)
+        if (second != self._refused_idle_at and now < res.span_s and routed is not None
+                and routed.idle and feasible_alone(a, self.scenario.engine)):
+            self._refused_idle_at = second  # refusing work a replica with nothing to do would do
             res.refused_idle_s += 1
         for g in a.ask.groups:
             res.tally(g).rejected += 1
@@ -612,6 +628,13 @@ class Simulation:
         replica not more than ``AFFINITY_SLACK`` of a batch busier: there, as a prefix-aware
         router (llm-d's prefix scorer beside its load scorer) sends it, its history is
         probably still cached."""
+        target = self._routed(prefix_key)
+        if target is not None and prefix_key is not None:
+            self._affinity[prefix_key] = target
+        return target
+
+    def _routed(self, prefix_key: str | None) -> Replica | None:
+        """``target``'s choice, remembering nothing."""
         if not self.ready:
             return None
         target = self.ready[0]
@@ -625,7 +648,6 @@ class Simulation:
         slack = max(1.0, AFFINITY_SLACK * self.scenario.engine.max_num_seqs)
         if last is not None and last.state == "ready" and last.load <= best + slack:
             target = last
-        self._affinity[prefix_key] = target
         return target
 
     def _release(self, a: Attempt, completed: bool) -> None:
