@@ -14,10 +14,12 @@ import math
 import pickle
 import random
 
+import pytest
+
 from extproc import config as config_mod
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.learning import PoolLearning, learning_for
-from extproc.level import Level
+from extproc.level import BACKOFF, Level
 from extproc.share import CRITICAL, SHEDDABLE
 from extproc.step import Admission, Ask, admit, running_of
 
@@ -241,6 +243,24 @@ def test_misses_that_only_load_causes_cut_the_level() -> None:
         seen.append(level.level_ms)
     assert min(seen) <= max(seen) * 0.8
     assert max(seen) <= 10_000.0 * 1.1  # never far past what was measured
+
+
+def test_an_overshoots_misses_cut_the_level_once_not_once_each() -> None:
+    """Recovery's other half: the misses of an overshoot arrive together, a deadline after
+    the requests were admitted. Those admitted above where the first cut put the level are
+    not evidence against the new level, so one overload cuts once; counted one by one, two
+    hundred misses would cut it 0.8^100 times, to nothing, and nothing would be admitted to
+    learn that it could be raised again (the latch, issue 27: ~400 in flight to ~10)."""
+    level = Level()
+    for _ in range(40):  # alone: always in time
+        level.settled(False, 1000.0, 0.0, alone=True)
+    level.level_ms, level.probing = 10_000.0, False
+    for _ in range(200):  # every request admitted at the overshoot's top misses
+        level.settled(True, 10_000.0, 10_000.0)
+    assert level.level_ms == pytest.approx(10_000.0 * BACKOFF)
+    for _ in range(20):  # misses admitted at the new level are its evidence: cut again
+        level.settled(True, 7_000.0, level.level_ms)
+    assert level.level_ms == pytest.approx(10_000.0 * BACKOFF ** 2)
 
 
 def test_the_decision_only_reads() -> None:
