@@ -9,7 +9,7 @@ IMAGE   ?= envoy-llm-admission
 VERSION := $(shell sed -n 's/^appVersion: "\(.*\)"/\1/p' helm/extproc/Chart.yaml)
 
 .PHONY: setup system-packages demo test check lint typecheck chaos bench bench-memory eval clean \
-	image-name image image-test test-fast config-schema
+	image-name image image-test test-fast config-schema loadtool
 
 setup: $(STAMP) system-packages
 
@@ -81,6 +81,16 @@ bench: setup
 	$(PY) benchmarks/counting.py
 
 # Resident memory across a million decisions (~15-30 min on 2 cores; benchmarks/memory.py).
+# A standard load tool's report on the local stack, with admission and without
+# (benchmarks/loadtool.py; ~3 min, and ~2 min more the first time to install NVIDIA's AIPerf
+# into its own virtual environment, .venv-load: README "Reading a load tool's report").
+LOAD_VENV := .venv-load
+AIPERF    := aiperf==0.13.0
+loadtool: setup
+	@test -x $(LOAD_VENV)/bin/aiperf || { echo "installing $(AIPERF) into $(LOAD_VENV)"; \
+		$(PYTHON) -m venv $(LOAD_VENV) && $(LOAD_VENV)/bin/pip install -q $(AIPERF); }
+	$(PY) benchmarks/loadtool.py --aiperf $(LOAD_VENV)/bin/aiperf
+
 bench-memory: setup
 	$(PY) benchmarks/memory.py
 
@@ -115,4 +125,4 @@ image-test: image
 	$(PY) -m pytest -q -m image tests/test_image.py
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache .image-wheels build
+	rm -rf $(VENV) $(LOAD_VENV) .demo .pytest_cache .mypy_cache .ruff_cache .image-wheels build
