@@ -14,7 +14,8 @@ for one pool. Two rules are combined, the larger ask wins:
         lost = min(r, 1/2) ^ (k + 1)              k = 0 is the article's reading: lost = r
 
     (a ratio over one half is read as one half: beyond it the count is mostly the same
-    requests coming back). ``q = queue_depth / ready``. When ``lost`` exceeds
+    requests coming back). ``q = queue_depth / ready``, the engines' queue (not what the
+    gateway holds: see (b)). When ``lost`` exceeds
     ``reject_ratio_high`` or ``q`` exceeds ``queue_per_replica_high``:
 
         demand_ratio = 1 / (1 - lost)              admission sheds the excess, so offered
@@ -34,11 +35,15 @@ for one pool. Two rules are combined, the larger ask wins:
     ``age_threshold_s`` while arrivals exceed successful departures, for ``confirm_windows``
     consecutive windows:
 
-        need   = ceil(queue_depth / (drain_s x rate))      rate: successful requests per second
+        need   = ceil(backlog / (drain_s x rate))          rate: successful requests per second
         want_b = ready + need                              per ready replica, measured
 
     The note's example: 360 waiting, drained in 60 s at 2.5 req/s per replica: 360 / 60 / 2.5
-    = 2.4, three more replicas. ``rate`` is an exponentially weighted mean of
+    = 2.4, three more replicas. The backlog is the engines' queue plus the requests the
+    gateway holds (``held``, ``extproc.defer``): demand that waits rather than being refused.
+    Counted in (a)'s per-replica queue instead, a held queue that drains within its deadlines
+    read as a shortage (simulated, the recommender with defer on: 368 replica-minutes where
+    without a hold it spends 257, for 1 % more goodput; 269 now). ``rate`` is an exponentially weighted mean of
     ``departures / duration / ready`` over windows where the replicas were saturated: rule (a)
     sheds (``lost`` over ``reject_ratio_high``) or ``q`` is at least
     ``queue_per_replica_target``, and the utilization, when known, is at least
@@ -59,7 +64,7 @@ cover is held with reason ``PENDING``.
 
 Scale down slowly: one replica, only after ``down_quiet_s`` of windows that were all quiet
 (``lost`` under ``reject_ratio_quiet``: with k = 2, under 10 % of the attempts rejected;
-waiting per replica under ``queue_per_replica_quiet``, oldest age under
+waiting per replica under ``queue_per_replica_quiet``, nothing held, oldest age under
 ``quiet_age_fraction`` of its threshold, a known utilization under ``utilization_high``)
 and only when the remaining replicas would carry the arrival rate at ``down_headroom`` of
 their measured rate. The quiet clock restarts after each step.
@@ -213,6 +218,7 @@ class Window:
     oldest_age_s: float | None  # oldest eligible admitted-but-unfinished request; 0 when none
     queue_depth: int  # eligible requests waiting (admitted, not yet running): the backlog
     ready: int
+    held: int = 0  # requests the gateway holds until they fit (``extproc.defer``): backlog
     starting: int = 0  # requested, not yet ready (never capacity)
     draining: int = 0  # leaving (never capacity)
     utilization: float | None = None  # 0..1: GPU utilization or KV-cache usage, if known
@@ -294,7 +300,11 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
     per_replica_q = w.queue_depth / w.ready if w.ready > 0 else 0.0
     age_high = None if w.oldest_age_s is None else w.oldest_age_s > p.age_threshold_s
     reading = classify(age_high, w.utilization, p.utilization_high)
-    has_demand = w.arrivals > 0 or w.queue_depth > 0
+    # Held requests are backlog, sized against the measured drain (rule b), and never quiet;
+    # the per-replica queue of rule (a) is the engines' alone: a gateway's queue that drains
+    # within its requests' deadlines is what the hold is for, not a shortage.
+    backlog = w.queue_depth + w.held
+    has_demand = w.arrivals > 0 or backlog > 0
     duration = max(w.duration_s, 1e-9)
     arrival_rate, departure_rate = w.arrivals / duration, w.departures / duration
 
@@ -328,7 +338,7 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
     # Stalled: old work waits to start and (almost) nothing completes. Zero departures prove
     # something only when the measured rate expects several in the window.
     expected = w.ready * (rate or p.service_rate_hint or 0.0) * w.duration_s
-    stalled_now = bool(age_high) and w.ready > 0 and w.queue_depth > 0 and (
+    stalled_now = bool(age_high) and w.ready > 0 and backlog > 0 and (
         expected >= p.stall_min_expected and w.departures <= p.stall_fraction * expected
         if expected > 0 else w.departures == 0)
     # Departures measure capacity only while work waits or is turned away; a stalled window
@@ -376,7 +386,7 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
         wants.append((want, Reason.QUEUE_DEPTH if queue_ratio > demand_ratio
                        else Reason.REJECTIONS))
     if s.breach_windows >= p.confirm_windows:
-        need = drain_step(w.queue_depth, p.drain_s, rate_now) if rate_now else 1
+        need = drain_step(backlog, p.drain_s, rate_now) if rate_now else 1
         wants.append((w.ready + max(1, need), Reason.QUEUE_AGE))
 
     if wants:
@@ -397,7 +407,7 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
 
     quiet = (
         (lost is None or lost < p.reject_ratio_quiet)
-        and per_replica_q < p.queue_per_replica_quiet
+        and per_replica_q < p.queue_per_replica_quiet and w.held == 0
         and w.oldest_age_s is not None  # an unknown age cannot prove quiet
         and w.oldest_age_s < p.quiet_age_fraction * p.age_threshold_s
         and (w.utilization is None or w.utilization < p.utilization_high)

@@ -59,7 +59,7 @@ class Control:
         self._window_start = clock()
         self.listeners: list[Callable[[], None]] = []  # called after every tick (KEDA)
         # The requests the gateway holds per pool, and the oldest one's age (extproc.defer):
-        # demand waiting, counted in the window's queue (the gate's ``held``, once built).
+        # backlog in the window (the gate's ``held``, once built).
         self.held: Callable[[str], tuple[int, float]] = lambda pool: (0, 0.0)
 
     def decided(self, verdict: Verdict) -> None:
@@ -104,7 +104,7 @@ class Control:
             arrivals=counts.arrivals, admitted=counts.admitted, rejected=counts.rejected,
             departures=counts.departures,
             oldest_age_s=max(self.oldest_age_s(pool, now), held_age_s),
-            queue_depth=max(0, len(counts.open) - slots) + held, ready=replicas.ready,
+            queue_depth=max(0, len(counts.open) - slots), held=held, ready=replicas.ready,
             starting=replicas.starting, draining=replicas.draining, stale=stale,
         )
 

@@ -211,6 +211,22 @@ def test_a_deep_queue_per_replica_doubles() -> None:
     assert (got.desired, got.reason) == (8, Reason.QUEUE_DEPTH)
 
 
+def test_held_requests_are_backlog_for_the_drain_not_a_deep_engine_queue() -> None:
+    """Requests the gateway holds (defer) wait to be sent as room frees, within their
+    deadlines: ten a replica held is not the engines' deep queue that doubles the fleet. They
+    are backlog: old and growing, the drain rule sizes them against the measured rate; and
+    while any is held the pool is not quiet."""
+    rec = Recommender()
+    assert rec.observe(window(15, ready=4, held=40)).reason is Reason.STEADY
+    grow = dict(ready=4, arrivals=480, admitted=480, departures=240, oldest_age_s=60.0)
+    rec = Recommender(ScalingPolicy(service_rate_hint=4.0))
+    rec.observe(window(15, held=240, **grow))
+    got = rec.observe(window(30, held=360, **grow))
+    assert got.reason is Reason.QUEUE_AGE and got.desired > 4
+    calm = Recommender(ScalingPolicy(down_quiet_s=600))
+    assert quiet_run(calm, 0, 1200, held=1) == [8] * 80  # quiet but for one held: no step
+
+
 def test_the_larger_ask_of_the_two_rules_wins() -> None:
     rec = Recommender(ScalingPolicy(queue_per_replica_high=1e9, max_replicas=40,
                                     client_retries=0))

@@ -253,10 +253,10 @@ async def test_held_requests_are_demand_in_the_autoscalers_window() -> None:
     await until_held(gate, 3)
     await asyncio.sleep(0.05)
     window = control.window("llama", gate._clock())
-    assert window.queue_depth == 3 and window.oldest_age_s >= 0.05
+    assert window.held == 3 and window.queue_depth == 0 and window.oldest_age_s >= 0.05
     gate.holding.refuse_all()
     await asyncio.gather(*held)
-    assert control.window("llama", gate._clock()).queue_depth == 0
+    assert control.window("llama", gate._clock()).held == 0
     assert first.ticket is not None
     await gate.settle(first.ticket)
 

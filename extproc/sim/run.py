@@ -769,9 +769,12 @@ class Simulation:
             occupancy=min(1.0, d_occ / ready_time) if ready_time > 0 else 0.0,
             busy=min(1.0, d_busy / ready_time) if ready_time > 0 else 0.0,
             waiting=sum(len(r.waiting) for r in self.ready) + len(self.queue),
+            held=len(self.queue),
             oldest_waiting_s=0.0 if oldest_wait == INF else now - oldest_wait,
             inflight=self.ledger.snapshot(self.pool.name).inflight,
-            oldest_inflight_s=now - inflight[0].arrival if inflight else 0.0,
+            # (the gate's autoscaling window counts the held requests' age the same way)
+            oldest_inflight_s=max(now - inflight[0].arrival if inflight else 0.0,
+                                  now - held_since if held_since is not None else 0.0),
         )
         self._window = _Window()
         self._last_control = now
