@@ -81,7 +81,8 @@ POLICIES = ("naive", "saturation", "default", "oracle", "tuned")
 BASELINES = ("naive", "saturation", "tuned", "oracle")  # default/X ratios, in this order
 TUNED_SHARE = 0.95  # default must reach this share of tuned's goodput
 ATTAINMENT = 0.99
-REFUSED_IDLE = 0.02  # of the run: refusing while a replica has nothing to do (issue 27)
+REFUSED_IDLE = 0.02  # of the run: refusing work an idle replica would have done (issue 27;
+# ``Result.refused_idle_s``)
 REDUCED_LOAD, REDUCED_FLEET, REDUCED_SIZE = 1.5, "70b-16", 0.25
 AUTOSCALE_LOAD, AUTOSCALE_FLEET, AUTOSCALE_SIZE = 1.0, "70b-16", 3.0
 AUTOSCALE_PROVISIONING_S = 180.0  # a replica whose weights are cached on its node
@@ -300,7 +301,7 @@ def summary_text(s: Record, elapsed_s: float, workers: int) -> str:
                  f" {s['attainment met']}/{s['attainment cells']}")
     lines.append(f"  every target: {s['all targets']}/{n}")
     lines.append(f"  median default/oracle: {s['median default/oracle']}")
-    lines.append(f"  default refusing while a replica is idle > {100 * REFUSED_IDLE:g}% of"
+    lines.append(f"  default refusing work an idle replica would do > {100 * REFUSED_IDLE:g}% of"
                  f" the run: {s['refusing while idle']}/{n}")
     lines.append(f"elapsed: {elapsed_s:.0f} s with {workers} worker(s),"
                  f" {s['cpu_s']:.0f} CPU-seconds in the cells")
