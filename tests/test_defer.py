@@ -307,3 +307,33 @@ async def test_two_gateways_on_one_redis_hold_and_send_and_leave_nothing_behind(
         finally:
             for gate in gates:
                 await gate.ledger.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
+async def test_a_redis_outage_while_requests_are_held_is_answered_by_the_policy(
+        policy: str) -> None:
+    """Redis dies while a request is held: its next pass decides under ``on_unavailable``,
+    within the ledger's deadline, as any decision would. Fail-open, the release of the request
+    ahead of it is in the local view, so it is sent; fail-closed, it is refused
+    ``ledger_unavailable`` at once. Either way it does not wait out its hold."""
+    with RedisServer() as server:
+        gate = gate_for({"ledger": {"kind": "redis", "url": server.url,
+                                    "on_unavailable": policy}})
+        try:
+            first = await check(gate, 1000)
+            assert first.ticket is not None
+            second = asyncio.create_task(check(gate, 1000))
+            await until_held(gate, 1)
+            server.kill()
+            await gate.settle(first.ticket)
+            verdict = await asyncio.wait_for(second, 2)  # its hold would last ~10 s
+            if policy == "fail_open":
+                assert verdict.outcome is Outcome.ADMIT and verdict.ticket is not None
+                await gate.settle(verdict.ticket)
+            else:
+                assert (verdict.outcome, verdict.reason) == (Outcome.REJECT,
+                                                             Reason.LEDGER_UNAVAILABLE)
+            assert len(gate.holding.queues["llama"]) == 0
+        finally:
+            await gate.ledger.close()  # type: ignore[attr-defined]
