@@ -43,10 +43,10 @@ for one pool. Two rules are combined, the larger ask wins:
     gateway holds (``held``, ``extproc.defer``): demand that waits rather than being refused.
     Counted in (a)'s per-replica queue instead, a held queue that drains within its deadlines
     read as a shortage (simulated, the recommender with defer on: 368 replica-minutes where
-    without a hold it spends 257, for 1 % more goodput; 269 now). ``rate`` is an exponentially weighted mean of
-    ``departures / duration / ready`` over windows where the replicas were saturated: rule (a)
-    sheds (``lost`` over ``reject_ratio_high``) or ``q`` is at least
-    ``queue_per_replica_target``, and the utilization, when known, is at least
+    without a hold it spends 257, for 1 % more goodput; 269 now). ``rate`` is an
+    exponentially weighted mean of ``departures / duration / ready`` over windows where the
+    replicas were saturated: rule (a) sheds (``lost`` over ``reject_ratio_high``) or ``q``
+    is at least ``queue_per_replica_target``, and the utilization, when known, is at least
     ``utilization_high`` (work waiting at idle engines is a dispatch problem, not their
     capacity); a window in which replicas turned ready is skipped. Only then do departures
     measure capacity rather than demand; elsewhere the estimate is kept (a rate learnt at
