@@ -41,7 +41,11 @@ def test_clients_honor_retry_after_within_the_sdk_limit() -> None:
 
 def test_refusing_while_a_replica_is_idle_is_counted_in_seconds_of_the_run() -> None:
     """``refused_idle_s``: a policy that refuses everything refuses while the fleet is idle
-    nearly every second it is asked; slot counting on a lightly loaded fleet never does."""
+    nearly every second it is asked; slot counting on a lightly loaded fleet never does; and
+    refusing requests that no idle replica could serve in time (a deadline of 50 ms) is not
+    work lost."""
+    import dataclasses
+
     from extproc.admission import Reason
     from extproc.sim import families, policies
     from extproc.sim.run import simulate
@@ -57,3 +61,7 @@ def test_refusing_while_a_replica_is_idle_is_counted_in_seconds_of_the_run() -> 
     arrived = {int(j.arrival_s) for j in sc.jobs}
     assert nothing.refused_idle_s >= 0.9 * len(arrived)
     assert slots.refused_idle_s == 0 and slots.rejected == 0
+    hopeless = dataclasses.replace(sc, jobs=[dataclasses.replace(j, deadline_ms=50.0)
+                                             for j in sc.jobs])
+    refused = simulate(hopeless, RefuseAll(name="refuse-all"))
+    assert refused.rejected >= len(arrived) and refused.refused_idle_s == 0

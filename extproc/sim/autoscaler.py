@@ -63,11 +63,11 @@ class Observation:
     utilization: float  # share of the ready replicas' full-batch token throughput in use, 0..1
     occupancy: float  # mean running / max_num_seqs over ready replicas, 0..1
     busy: float  # fraction of ready-replica time with at least one running sequence
-    waiting: int  # sequences in the engines' FIFO queues now, and the gateway's held ones
+    waiting: int  # sequences in the engines' FIFO queues now
     oldest_waiting_s: float  # age of the oldest of those (0 when none)
     inflight: int  # requests in the gateway's ledger now
     oldest_inflight_s: float  # age of the oldest admitted-but-unfinished request (0: none)
-    held: int = 0  # of ``waiting``, those the gateway holds (``extproc.defer``)
+    held: int = 0  # requests the gateway holds (``extproc.defer``): no engine's metric has them
 
     @property
     def reject_ratio(self) -> float:
@@ -148,7 +148,7 @@ class GatewayRecommender:
         return autoscale.Window(
             now=obs.now_s, duration_s=obs.window_s, arrivals=obs.arrivals,
             admitted=obs.admitted, rejected=obs.rejected, departures=obs.completed,
-            oldest_age_s=obs.oldest_inflight_s, queue_depth=obs.waiting - obs.held,
+            oldest_age_s=obs.oldest_inflight_s, queue_depth=obs.waiting,
             held=obs.held, ready=obs.ready,
             starting=obs.starting, draining=obs.draining, utilization=obs.utilization)
 

@@ -243,14 +243,14 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def feasible_alone(a: Attempt, engine: EngineModel) -> bool:
-    """Whether ``a`` would meet its deadline and first-token objective alone on an idle
-    replica, timed by the simulated engine itself (its true output length, no prefix cached):
-    a request whose refusal while a replica has nothing to do is work lost
+def feasible_alone(a: Attempt, replica: Replica) -> bool:
+    """Whether ``a`` would meet its deadline and first-token objective alone on ``replica``,
+    idle, timed by the simulated engine itself (its true output length, no prefix cached): a
+    request whose refusal while that replica has nothing to do is work lost
     (``Result.refused_idle_s``), unlike one no admission could have served in time."""
-    total = a.prompt_tokens + a.output_tokens
-    if total > engine.max_model_len or (engine.kv_tokens and total > engine.kv_tokens):
+    if not replica.sched.fits_alone(a):
         return False
+    engine = replica.model
     first_ms = engine.step_base_ms + engine.prefill_ms(a.prompt_tokens)
     whole_ms = first_ms + a.output_tokens * engine.itl_ms(1, a.prompt_tokens + a.output_tokens / 2)
     return whole_ms <= a.deadline_s * 1000.0 and (
@@ -591,11 +591,11 @@ class Simulation:
         a.outcome = "rejected"
         res.rejected += 1
         second = math.floor(now)
-        routed = self._routed(a.job.prefix_key)
-        if (second != self._refused_idle_at and now < res.span_s and routed is not None
-                and routed.idle and feasible_alone(a, self.scenario.engine)):
-            self._refused_idle_at = second  # refusing work a replica with nothing to do would do
-            res.refused_idle_s += 1
+        if second != self._refused_idle_at and now < res.span_s:
+            routed = self._routed(a.job.prefix_key)
+            if routed is not None and routed.idle and feasible_alone(a, routed):
+                self._refused_idle_at = second  # work a replica with nothing to do would do
+                res.refused_idle_s += 1
         for g in a.ask.groups:
             res.tally(g).rejected += 1
         self._window.rejected += 1
@@ -751,9 +751,7 @@ class Simulation:
             marks[r.index] = (r.busy_s, r.occupancy_s, r.work_s)
             ready_time += now - max(r.ready_at, self._last_control)
         oldest_wait = min((r.oldest_waiting() for r in self.ready), default=INF)
-        held_since = self.queue.oldest()  # what the gateway holds waits too (extproc.defer)
-        if held_since is not None:
-            oldest_wait = min(oldest_wait, held_since)
+        held_since = self.queue.oldest()  # what the gateway holds (extproc.defer)
         inflight = self._inflight
         while inflight and inflight[0].released:
             inflight.popleft()
@@ -768,8 +766,7 @@ class Simulation:
             utilization=min(1.0, d_work / ready_time) if ready_time > 0 else 0.0,
             occupancy=min(1.0, d_occ / ready_time) if ready_time > 0 else 0.0,
             busy=min(1.0, d_busy / ready_time) if ready_time > 0 else 0.0,
-            waiting=sum(len(r.waiting) for r in self.ready) + len(self.queue),
-            held=len(self.queue),
+            waiting=sum(len(r.waiting) for r in self.ready), held=len(self.queue),
             oldest_waiting_s=0.0 if oldest_wait == INF else now - oldest_wait,
             inflight=self.ledger.snapshot(self.pool.name).inflight,
             # (the gate's autoscaling window counts the held requests' age the same way)
