@@ -22,17 +22,15 @@ a minimal ``tokenizer_config.json``, so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extproc.config import Pool
-from extproc.engine import LLAMA_70B_FP8_2XH100
 from extproc_dev import demo
 from extproc_dev.stack import LocalStack
 
@@ -61,9 +59,7 @@ def tokenizer_dir(where: Path) -> Path:
 
 def run(aiperf: str, mode: str, rate: float, tokenizer: Path) -> dict[str, Any]:
     """One run: a fresh stack in ``mode``, AIPerf against its Envoy; AIPerf's JSON export."""
-    engine = dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=demo.MAX_RUNNING)
-    pool = Pool(name="llama", models=("*",), replicas=demo.BACKENDS, engine=engine,
-                tokenizer=demo.tokenizer_path())
+    pool = demo.fleet()
     workdir = OUT / mode
     shutil.rmtree(workdir, ignore_errors=True)
     stack = LocalStack(workdir / "stack", demo.settings(mode, pool, 1.0),
@@ -100,6 +96,14 @@ def figure(report: dict[str, Any], key: str, stat: str = "avg") -> float | None:
     return float(got) if isinstance(got, (int, float)) else None
 
 
+def error_rate(report: dict[str, Any]) -> float:
+    """AIPerf's failed requests over all it sent (from the counts: its own rate's unit is a
+    percentage)."""
+    failed = figure(report, "error_request_count") or 0.0
+    sent = failed + (figure(report, "request_count") or 0.0)
+    return failed / sent if sent else 0.0
+
+
 def errors_by_status(report: dict[str, Any]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for entry in report.get("error_summary") or []:
@@ -109,26 +113,22 @@ def errors_by_status(report: dict[str, Any]) -> dict[str, int]:
     return counts
 
 
-ROWS = (  # (label, key, stat, format)
-    ("requests completed", "request_count", "avg", "{:.0f}"),
-    ("requests failed (AIPerf's errors)", "error_request_count", "avg", "{:.0f}"),
-    ("error rate", "request_error_rate", "avg", "{:.1%}"),
-    ("throughput, completed req/s", "request_throughput", "avg", "{:.2f}"),
-    ("goodput, req/s within both objectives", "goodput", "avg", "{:.2f}"),
-    ("TTFT p95 of completed, ms", "time_to_first_token", "p95", "{:.0f}"),
-    ("latency p95 of completed, ms", "request_latency", "p95", "{:.0f}"),
+ROWS: tuple[tuple[str, Callable[[dict[str, Any]], float | None], str], ...] = (
+    ("requests completed", lambda r: figure(r, "request_count"), "{:.0f}"),
+    ("requests failed (AIPerf's errors)", lambda r: figure(r, "error_request_count"), "{:.0f}"),
+    ("error rate", error_rate, "{:.1%}"),
+    ("throughput, completed req/s", lambda r: figure(r, "request_throughput"), "{:.2f}"),
+    ("goodput, req/s within both objectives", lambda r: figure(r, "goodput"), "{:.2f}"),
+    ("TTFT p95 of completed, ms", lambda r: figure(r, "time_to_first_token", "p95"), "{:.0f}"),
+    ("latency p95 of completed, ms", lambda r: figure(r, "request_latency", "p95"), "{:.0f}"),
 )
 
 
 def table(reports: dict[str, dict[str, Any]]) -> list[str]:
     lines = [f"  {'':40} {'shadow':>12} {'enforce':>12}"]
-    for label, key, stat, fmt in ROWS:
-        cells = []
-        for mode in demo.MODES:
-            value = figure(reports[mode], key, stat)
-            if key == "request_error_rate" and value is not None and value > 1.0:
-                value /= 100.0  # a percentage
-            cells.append("-" if value is None else fmt.format(value))
+    for label, read, fmt in ROWS:
+        cells = [fmt.format(v) if (v := read(reports[m])) is not None else "-"
+                 for m in demo.MODES]
         lines.append(f"  {label:40} {cells[0]:>12} {cells[1]:>12}")
     for mode in demo.MODES:
         lines.append(f"  {mode} errors by HTTP status: {errors_by_status(reports[mode]) or '{}'}")
@@ -139,9 +139,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--aiperf", default="aiperf", help="the aiperf executable")
     args = parser.parse_args()
-    engine = dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=demo.MAX_RUNNING)
-    pool = Pool(name="llama", models=("*",), replicas=demo.BACKENDS, engine=engine)
-    rate = RATE_X * pool.replicas * 1000.0 / engine.request_ms(PROMPT_TOKENS, OUTPUT_TOKENS)
+    pool = demo.fleet()
+    rate = RATE_X * pool.replicas * 1000.0 / pool.engine.request_ms(PROMPT_TOKENS, OUTPUT_TOKENS)
     print(f"loadtool: AIPerf at {RATE_X:g}x capacity ({rate:.1f} req/s), without admission and"
           f" with it; objectives {SLO}")
     tokenizer = tokenizer_dir(OUT / "tokenizer")

@@ -118,6 +118,14 @@ def tokenizer_path() -> str | None:
     return str(path) if path.is_file() else None
 
 
+def fleet() -> Pool:
+    """The demo's pool: ``BACKENDS`` replicas of the default engine with ``MAX_RUNNING``
+    slots, counted with the real Llama 3 tokenizer when it is installed."""
+    engine = dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=MAX_RUNNING)
+    return Pool(name="llama", models=("*",), replicas=BACKENDS, engine=engine,
+                tokenizer=tokenizer_path())
+
+
 def capacity_rps(pool: Pool, lengths: loadgen.Lengths, time_scale: float = 1.0) -> float:
     """Completions per second of the pool at a full batch (see the module docstring)."""
     per_request_ms = pool.engine.request_ms(lengths.mean_prompt(), lengths.mean_output())
@@ -571,10 +579,8 @@ def main(duration_s: float = 40.0, rate_x: float = 3.0, workdir: str = ".demo", 
     """Run both modes and print the table and the ``DEMO-SUMMARY`` line; 0 on success."""
     out = out or sys.stdout
     began = time.monotonic()
-    tokenizer = tokenizer_path()
-    engine = dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=MAX_RUNNING)
-    pool = Pool(name="llama", models=("*",), replicas=BACKENDS, engine=engine,
-                tokenizer=tokenizer)
+    pool = fleet()
+    engine, tokenizer = pool.engine, pool.tokenizer
     lengths = loadgen.Lengths(max_tokens=MAX_TOKENS)
     capacity = capacity_rps(pool, lengths, time_scale)
     offered = rate_x * capacity
