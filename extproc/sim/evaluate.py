@@ -440,19 +440,19 @@ def run_scaled(run: ScaleRun) -> Record:
 def autoscale(family_names: Sequence[str] = families.TIME_VARYING, seeds: int = 1,
               fleet: str = AUTOSCALE_FLEET,
               autoscalers: Sequence[str] = autoscaler_mod.AUTOSCALERS, *, workers: int = 0,
-              progress: bool = True) -> list[Record]:
-    runs = [ScaleRun(f, s, fleet, a) for f in family_names for s in range(seeds)
-            for a in autoscalers]
+              progress: bool = True, policies: Sequence[str] = ("default",)) -> list[Record]:
+    runs = [ScaleRun(f, s, fleet, a, policy=p) for f in family_names for s in range(seeds)
+            for a in autoscalers for p in policies]
     workers = workers or os.cpu_count() or 1
     return _pool_map(run_scaled, runs, min(workers, len(runs)) or 1, "autoscale", progress)
 
 
 def autoscale_table(rows: Sequence[Record]) -> str:
-    lines = [f"{'workload':26s}{'autoscaler':>12s}{'goodput':>9s}{'attain':>9s}"
+    lines = [f"{'workload':26s}{'autoscaler':>12s}{'policy':>9s}{'goodput':>9s}{'attain':>9s}"
              f"{'replica-min':>13s}{'peak':>6s}{'good/replica-min':>18s}"]
     for r in rows:
         name = f"{r['family']}/{r['fleet']}/s{r['seed']}"
-        lines.append(f"{name:26s}{r['autoscaler']:>12s}{r['goodput']:9.3f}"
+        lines.append(f"{name:26s}{r['autoscaler']:>12s}{r['policy']:>9s}{r['goodput']:9.3f}"
                      f"{100 * r['attainment']:8.2f}%{r['replica_min']:13.1f}"
                      f"{r['peak_replicas']:6d}{r['good_per_replica_min'] or 0:18.2f}")
     return "\n".join(lines)
@@ -486,7 +486,11 @@ def main(*, reduced: bool = False, scale: bool = False, workers: int = 0, seeds:
         fleet = (fleets or [AUTOSCALE_FLEET])[0]
         timed = [f for f in chosen if f in families.TIME_VARYING] if family_names is None \
             else chosen
-        rows = autoscale(timed, seeds, fleet, workers=workers, progress=progress)
+        # the step's policies asked for (by default, the default alone): ``defer`` beside it
+        # shows what holding costs in replicas
+        scaled = [p for p in policies if p in ("default", "defer")]
+        rows = autoscale(timed, seeds, fleet, workers=workers, progress=progress,
+                         policies=scaled)
         text = autoscale_table(rows)
         stream.write(text + f"\nelapsed: {time.monotonic() - started:.0f} s with {workers}"
                      " worker(s)\n")
