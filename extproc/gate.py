@@ -83,7 +83,7 @@ from extproc.estimate import TokenCounter, prompt_tokens
 from extproc.holding import Holding
 from extproc.learning import PoolLearning, learning_for
 from extproc.leases import Leases
-from extproc.ledger import Entry, Ledger
+from extproc.ledger import Entry, Ledger, Reserved, Waiting
 from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.pricing import Pricing, Uncounted
@@ -154,7 +154,8 @@ class Gate:
         self.decision_log = (decisionlog.DecisionLog(config.decision_log)
                              if config.decision_log else None)
         self._pools = {p.name: p for p in config.pools}
-        self.holding = Holding(config, metrics, self._decide_held, self.settle,
+        self.gateway = uuid.uuid4().hex[:12]  # this process, to the ledger (``Ledger.wait``)
+        self.holding = Holding(config, metrics, self._decide_held, self.settle, self._publish,
                                lambda pool: capacity.capacity(pool).replicas, clock)
         for pool in config.pools:
             if not self.pricing.counters[pool.name].exact:
@@ -359,7 +360,8 @@ class Gate:
                     self.metrics.groups(pool.name, snapshot, ask.groups, self._labels.label)
                     fix = self._engine_correction(pool, snapshot, engines)
                     verdict = self._verdict(admit(ask, pool, self.config, learning, snapshot,
-                                                  replicas, self._clock(), fix), pool.name)
+                                                  replicas, self._clock(), fix), pool.name,
+                                            snapshot)
                     if not current and not (verdict.enforced
                                             and verdict.outcome is Outcome.ADMIT):
                         read = True  # the reserve would not check it again: decide on a read
@@ -375,10 +377,13 @@ class Gate:
                     most = verdict.admission.max_inflight if enforced else None
                     caps = verdict.admission.caps if enforced else ()
                     sent, reserved_at = True, time.monotonic()
-                    if await leases.call("reserve", self.ledger.reserve(entry, ceiling, most,
-                                                                        caps)):
+                    reserved = await leases.call("reserve", self.ledger.reserve(
+                        entry, ceiling, most, caps))
+                    if reserved:
                         return dataclasses.replace(
                             verdict, ticket=self._ticket(entry, verdict, reserved_at=reserved_at))
+                    if reserved is Reserved.YIELDED:  # another gateway holds a higher one
+                        return contended(verdict, Reason.PRIORITY)
                     # Refused: another gateway took the room since our snapshot. Again, on the
                     # pool as the refusal found it (its answer) or a fresh read.
                     if current:
@@ -413,11 +418,22 @@ class Gate:
         snapshot, age = recent
         return snapshot, time.monotonic() - age
 
-    def _verdict(self, adm: Admission, pool: str) -> Verdict:
+    def _verdict(self, adm: Admission, pool: str, seen: Snapshot) -> Verdict:
         return Verdict(adm.outcome, adm.reason, pool, adm.service_class, adm.decision,
                        error=adm.error, enforced=self.config.mode is Mode.ENFORCE,
                        prompt_tokens=adm.cost.prompt_tokens,
-                       output_tokens=adm.cost.output_tokens, admission=adm)
+                       output_tokens=adm.cost.output_tokens, admission=adm, seen=seen)
+
+    async def _publish(self, pool: str, held: Sequence[Waiting]) -> None:
+        """Tell the ledger what this gateway holds (``Ledger.wait``), so other gateways'
+        lower priorities yield to it. Best effort: a ledger that does not answer leaves the
+        order across gateways unkept until it does, as ``docs/defer.md`` says."""
+        try:
+            async with asyncio.timeout(self.config.ledger.decision_deadline_ms / 1000.0):
+                await self.leases.call("wait", self.ledger.wait(
+                    pool, self.gateway, held, self.config.ledger.liveness_ms))
+        except (LedgerUnavailable, TimeoutError) as exc:
+            log.debug("could not publish the held requests of pool %s: %s", pool, exc)
 
     def _unavailable(self, exc: Exception, sent: str | None, pool: Pool, ask: Ask,
                      replicas: int, engines: PoolStats | None) -> Verdict:
@@ -429,7 +445,7 @@ class Gate:
         local = self.leases.local(pool.name)
         fix = self._engine_correction(pool, local, engines)
         verdict = self._verdict(admit(ask, pool, self.config, self.learning[pool.name], local,
-                                      replicas, self._clock(), fix), pool.name)
+                                      replicas, self._clock(), fix), pool.name, local)
         if on_unavailable is OnUnavailable.FAIL_CLOSED and verdict.outcome is not Outcome.INVALID:
             # Fail-closed: we cannot record the request, so we do not let it run.
             verdict = dataclasses.replace(verdict, outcome=Outcome.REJECT,
@@ -449,7 +465,7 @@ class Gate:
         assert verdict.decision is not None and verdict.admission is not None
         return Entry(request_id, pool, verdict.decision.service_ms,
                      self.config.ledger.liveness_ms, verdict.admission.kv_tokens,
-                     verdict.admission.groups)
+                     verdict.admission.groups, verdict.admission.priority, self.gateway)
 
     def _ticket(self, entry: Entry, verdict: Verdict, *, recorded: bool = True,
                 reserved_at: float | None = None) -> Ticket:

@@ -135,6 +135,10 @@ async def check(gate: Gate, tokens: int, holds: list[float] | None = None) -> Ve
                             on_hold=None if holds is None else holds.append)
 
 
+def held_by(*gates: Gate) -> int:
+    return sum(len(g.holding.queues["llama"]) for g in gates)
+
+
 async def until_held(gate: Gate, count: int) -> None:
     async with asyncio.timeout(5):
         while len(gate.holding.queues["llama"]) < count:  # noqa: ASYNC110  (a poll, in a test)
@@ -319,7 +323,8 @@ async def test_a_redis_outage_while_requests_are_held_is_answered_by_the_policy(
     ``ledger_unavailable`` at once. Either way it does not wait out its hold."""
     with RedisServer() as server:
         gate = gate_for({"ledger": {"kind": "redis", "url": server.url,
-                                    "on_unavailable": policy}})
+                                    "on_unavailable": policy,
+                                    "decision_deadline_ms": 1000}})  # a first call's setup
         try:
             first = await check(gate, 1000)
             assert first.ticket is not None
@@ -337,3 +342,55 @@ async def test_a_redis_outage_while_requests_are_held_is_answered_by_the_policy(
             assert len(gate.holding.queues["llama"]) == 0
         finally:
             await gate.ledger.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.redis
+async def test_two_gateways_on_one_redis_send_every_higher_priority_before_a_lower_one() -> None:
+    """One slot, two gates on one Redis, each holding a critical and a sheddable request
+    (held alternately: sheddable at A, critical at B, critical at A, sheddable at B). Every
+    release lets one go: both critical requests go before either sheddable one, though each
+    gate's own releases wake its own queue first (without the published held requests, A
+    sends its sheddable one while B's critical one waits and fits)."""
+    with RedisServer() as server:
+        extra = {"ledger": {"kind": "redis", "url": server.url},
+                 "priority": {"header": "x-priority"}}
+        a, b = gate_for(extra), gate_for(extra)
+        route = a.config.route(PATH)
+        assert route is not None
+        try:
+            first = await check(a, 1000)
+            assert first.ticket is not None
+            held: list[tuple[str, Gate, asyncio.Task[Verdict]]] = []
+            for name, gate in (("sheddable", a), ("critical", b), ("critical", a),
+                               ("sheddable", b)):
+                held.append((name, gate, asyncio.create_task(gate.check(
+                    route, PATH, {"x-priority": name}, body(1000)))))
+                async with asyncio.timeout(5):
+                    while held_by(a, b) < len(held):  # noqa: ASYNC110  (a poll, in a test)
+                        await asyncio.sleep(0.005)
+            waiting = a.ledger.keys("llama")[5]  # type: ignore[attr-defined]
+            async with asyncio.timeout(5):  # what each holds is published
+                while server.client().hlen(waiting) < 2:  # noqa: ASYNC110  (a poll)
+                    await asyncio.sleep(0.005)
+            order: list[str] = []
+            seen: set[asyncio.Task[Verdict]] = set()
+            owner, ticket = a, first.ticket
+            async with asyncio.timeout(20):
+                for _ in held:
+                    await owner.settle(ticket)
+                    waiting = [t for _, _, t in held if t not in seen]
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    assert len(done) == 1
+                    name, owner, task = next(h for h in held if h[2] in done)
+                    seen.add(task)
+                    verdict = task.result()
+                    assert verdict.ticket is not None, verdict.reason
+                    order.append(name)
+                    ticket = verdict.ticket
+                    await asyncio.sleep(0.05)
+                await owner.settle(ticket)
+            assert order == ["critical", "critical", "sheddable", "sheddable"]
+            assert (await a.ledger.snapshot("llama")).inflight == 0
+        finally:
+            for gate in (a, b):
+                await gate.ledger.close()  # type: ignore[attr-defined]

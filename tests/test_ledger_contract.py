@@ -5,13 +5,14 @@ every test a fresh key prefix; ``-m 'not redis'`` runs the in-process ledger alo
 """
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from extproc import config
-from extproc.ledger import Cap, Entry, Ledger
+from extproc.ledger import FITS, Cap, Entry, Ledger, Reserved, Waiting
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 from tests.redis_server import RedisClusterNodes, RedisServer
@@ -257,3 +258,46 @@ async def test_caps_refuse_atomically_per_group_and_change_nothing(ledger: Ledge
     assert snap.groups["t:acme"] == (2, 500.0)
     assert (snap.inflight, before.inflight) == (3, 2)
     assert await ledger.reserve(entry("e", 300.0, groups=("t:acme",)), caps=cap)  # a retry
+
+
+# --- held requests across gateways (``wait``) ------------------------------------------------
+
+def ranked(rid: str, priority: int, gateway: str, cost: float = 100.0) -> Entry:
+    return dataclasses.replace(entry(rid, cost), priority=priority, gateway=gateway)
+
+
+async def test_a_lower_priority_yields_while_another_gateways_held_higher_one_may_fit(
+        ledger: Ledger) -> None:
+    """Gateway b holds a critical request it last found no room for (the pool as it stood: 2
+    entries, 200 ms of work). While the pool is as full, gateway a's standard request goes;
+    once anything left, it yields (b's may fit now) until b publishes again or holds nothing.
+    b's own entries, a's equal priority and entries without a ceiling never yield."""
+    assert await ledger.reserve(entry("x", 100.0))
+    assert await ledger.reserve(entry("y", 100.0))
+    await ledger.wait("p", "b", [Waiting(2, 2, 200.0, 2000)], 60_000)
+    assert await ledger.reserve(ranked("s1", 1, "a"), ceiling_ms=10_000) is Reserved.RECORDED
+    assert await ledger.release("s1", "p") and await ledger.release("y", "p")  # room came back
+    assert await ledger.reserve(ranked("s2", 1, "a"), ceiling_ms=10_000) is Reserved.YIELDED
+    assert (await ledger.snapshot("p")).inflight == 1  # a yield records nothing
+    assert await ledger.reserve(ranked("c1", 2, "a"), ceiling_ms=10_000)  # not lower
+    assert await ledger.reserve(ranked("s3", 1, "b"), ceiling_ms=10_000)  # b's own
+    assert await ledger.reserve(ranked("s4", 1, "a"))  # no ceiling: shadow, recorded anyway
+    for rid in ("c1", "s3", "s4"):
+        assert await ledger.release(rid, "p")
+    # b decided its request again on this pool and still found no room: a's may go
+    await ledger.wait("p", "b", [Waiting(2, 1, 100.0, 1000)], 60_000)
+    assert await ledger.reserve(ranked("s5", 1, "a"), ceiling_ms=10_000)
+    # one of b's fit but yielded to a higher one elsewhere: any pool is emptier
+    await ledger.wait("p", "b", [Waiting(2, FITS, 0.0, 0)], 60_000)
+    assert await ledger.reserve(ranked("s6", 1, "a"), ceiling_ms=10_000) is Reserved.YIELDED
+    await ledger.wait("p", "b", [], 60_000)  # b holds nothing
+    assert await ledger.reserve(ranked("s6", 1, "a"), ceiling_ms=10_000)
+
+
+async def test_a_dead_gateways_held_requests_lapse_with_their_lease(ledger: Ledger) -> None:
+    await ledger.wait("p", "b", [Waiting(2, FITS, 0.0, 0)], 50)
+    assert await ledger.reserve(ranked("s", 1, "a"), ceiling_ms=10_000) is Reserved.YIELDED
+    await asyncio.sleep(0.15)
+    assert await ledger.reserve(ranked("s", 1, "a"), ceiling_ms=10_000)
+    assert await ledger.release("s", "p")
+    assert await ledger.expire() == 0  # counts entries; the lapsed gateway goes quietly

@@ -24,6 +24,15 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
   and per group with entries, its count and work.
 - Groups (``entry.groups``: its priority and tenant, ``extproc.share``) are counted with the
   totals, in the same atomic steps; a group whose last entry goes leaves nothing behind.
+- ``wait(pool, gateway, held, lease_ms)`` publishes what a gateway holds (``extproc.defer``),
+  replacing what it published before (``held`` empty: nothing): per priority level, the pool
+  at its fullest when those requests were last refused (``Waiting``), for ``lease_ms``.
+  ``reserve`` of an entry with a ceiling then answers ``YIELDED`` (refused) while another
+  gateway's live ``Waiting`` of a higher priority than ``entry.priority`` finds the pool
+  emptier in any way (fewer entries, less work or fewer KV tokens): what it holds may fit
+  now, and goes first. A gateway's own held requests never yield to each other here (its
+  queue orders them); a gateway whose lease lapsed (it died) is ignored, and ``expire``
+  removes it.
 
 A shared ledger may also offer ``recent(pool)`` (``Recent``; the Redis ledger does): the
 pool's newest snapshot that came back with any of its answers, and its age. The gate may
@@ -37,6 +46,7 @@ entries of a replica that died lapse within seconds (``extproc.leases``).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -52,6 +62,45 @@ class Entry:
     lease_ms: float  # how long the entry lives without a renewal or release
     kv_tokens: int = 0  # the KV cache it will hold: prompt + typical output
     groups: tuple[str, ...] = ()  # the groups it counts in (names without spaces)
+    priority: int = 0  # its priority level: it yields to other gateways' held higher ones
+    gateway: str = ""  # the gateway recording it: its own held requests never make it yield
+
+
+class Reserved(enum.IntEnum):
+    """What ``reserve`` did; true only when it recorded the entry."""
+
+    FULL = 0  # refused: past the ceiling, the count or a cap
+    RECORDED = 1  # recorded, now or by an earlier reserve of the same id
+    YIELDED = 2  # refused: another gateway holds a higher priority that may fit (``wait``)
+
+    def __bool__(self) -> bool:
+        return self is Reserved.RECORDED
+
+
+FITS = 1 << 30  # ``Waiting.inflight`` of held requests that fit: any pool is emptier
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """What one gateway holds of one priority level in a pool: the pool at its fullest when
+    those requests were last refused (each quantity the most of any of them). A request that
+    fit but yielded to a higher one is published with ``inflight=FITS``."""
+
+    priority: int
+    inflight: int
+    outstanding_ms: float
+    kv_tokens: int
+
+    def ahead_of(self, priority: int, snapshot: Snapshot) -> bool:
+        """Whether a reserve of ``priority`` on ``snapshot`` yields to these held requests:
+        they rank higher and the pool is emptier than where they were refused."""
+        return self.priority > priority and (
+            snapshot.inflight < self.inflight
+            or snapshot.outstanding_ms < self.outstanding_ms - EMPTIER_MS
+            or snapshot.kv_tokens < self.kv_tokens)
+
+
+EMPTIER_MS = 1e-3  # less work than this is the same pool (sums of floats drift)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +114,8 @@ class Cap:
 
 class Ledger(Protocol):
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool: ...
+                      max_inflight: int | None = None,
+                      caps: Sequence[Cap] = ()) -> Reserved: ...
 
     async def release(self, request_id: str, pool: str) -> bool: ...
 
@@ -80,6 +130,9 @@ class Ledger(Protocol):
     async def expire(self) -> int: ...
 
     async def snapshot(self, pool: str) -> Snapshot: ...
+
+    async def wait(self, pool: str, gateway: str, held: Sequence[Waiting],
+                   lease_ms: float) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -96,4 +149,4 @@ class Recent(Protocol):
         ...
 
 
-__all__ = ["Cap", "Entry", "Ledger", "Recent", "Snapshot"]
+__all__ = ["FITS", "Cap", "Entry", "Ledger", "Recent", "Reserved", "Snapshot", "Waiting"]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from extproc.admission import Snapshot
-from extproc.ledger import Cap, Entry
+from extproc.ledger import Cap, Entry, Reserved, Waiting
 
 _EMPTY = Snapshot(inflight=0, outstanding_ms=0.0)
 
@@ -34,6 +34,8 @@ class _Pool:
     kv_tokens: int = 0
     leases: list[tuple[float, str]] = field(default_factory=list)
     groups: dict[str, tuple[int, float]] = field(default_factory=dict)  # -> (count, work)
+    # gateway -> (lease end, what it holds) (``Ledger.wait``)
+    waiting: dict[str, tuple[float, tuple[Waiting, ...]]] = field(default_factory=dict)
 
     def count(self, groups: tuple[str, ...], cost: float, sign: int) -> None:
         """Add (``sign`` 1) or remove (-1) one entry of ``cost`` from its groups; a group's
@@ -79,23 +81,41 @@ class LedgerCore:
         return pool
 
     def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool:
+                max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> Reserved:
         pool = self._pool(entry.pool)
         if entry.request_id in pool.entries:
-            return True
+            return Reserved.RECORDED
         if ceiling_ms is not None and pool.outstanding_ms + entry.cost_ms > ceiling_ms:
-            return False
+            return Reserved.FULL
         if max_inflight is not None and len(pool.entries) + 1 > max_inflight:
-            return False
+            return Reserved.FULL
         if _capped(pool, entry.cost_ms, caps):
-            return False
-        end = self._clock() + entry.lease_ms / 1000.0
+            return Reserved.FULL
+        now = self._clock()
+        if ceiling_ms is not None and self._behind(pool, entry, now):
+            return Reserved.YIELDED
+        end = now + entry.lease_ms / 1000.0
         pool.entries[entry.request_id] = (entry.cost_ms, end, entry.kv_tokens, entry.groups)
         pool.outstanding_ms += entry.cost_ms
         pool.kv_tokens += entry.kv_tokens
         pool.count(entry.groups, entry.cost_ms, +1)
         heapq.heappush(pool.leases, (end, entry.request_id))
-        return True
+        return Reserved.RECORDED
+
+    def _behind(self, pool: _Pool, entry: Entry, now: float) -> bool:
+        """Another gateway's live held requests rank above ``entry`` and may fit."""
+        if not pool.waiting:
+            return False
+        view = self.snapshot(entry.pool)
+        return any(gateway != entry.gateway and end > now and w.ahead_of(entry.priority, view)
+                   for gateway, (end, held) in pool.waiting.items() for w in held)
+
+    def wait(self, pool: str, gateway: str, held: Sequence[Waiting], lease_ms: float) -> None:
+        p = self._pool(pool)
+        if held:
+            p.waiting[gateway] = (self._clock() + lease_ms / 1000.0, tuple(held))
+        else:
+            p.waiting.pop(gateway, None)
 
     def release(self, request_id: str, pool: str) -> bool:
         p = self._pools.get(pool)
@@ -144,6 +164,8 @@ class LedgerCore:
         now = self._clock()
         dropped = 0
         for name, p in self._pools.items():
+            for gateway in [g for g, (end, _) in p.waiting.items() if end <= now]:
+                del p.waiting[gateway]
             while p.leases and p.leases[0][0] <= now:
                 end, request_id = heapq.heappop(p.leases)
                 live = p.entries.get(request_id)
@@ -170,7 +192,7 @@ class MemoryLedger:
         self.core = LedgerCore(clock)
 
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool:
+                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> Reserved:
         return self.core.reserve(entry, ceiling_ms, max_inflight, caps)
 
     async def release(self, request_id: str, pool: str) -> bool:
@@ -192,6 +214,10 @@ class MemoryLedger:
 
     async def snapshot(self, pool: str) -> Snapshot:
         return self.core.snapshot(pool)
+
+    async def wait(self, pool: str, gateway: str, held: Sequence[Waiting],
+                   lease_ms: float) -> None:
+        self.core.wait(pool, gateway, held, lease_ms)
 
     async def close(self) -> None:
         self.core.close()

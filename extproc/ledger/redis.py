@@ -2,7 +2,7 @@
 
 Exactly as correct as the in-process ledger while Redis answers (the same contract tests run
 against both, and on any sequence of calls both compute bit-for-bit the same outstanding work).
-Per pool, four keys that share the hash tag ``{pool}``, so a pool lives in one Cluster slot and
+Per pool, six keys that share the hash tag ``{pool}``, so a pool lives in one Cluster slot and
 every script touches a single slot (never CROSSSLOT)::
 
     <prefix>:{<pool>}:leases   sorted set  request id -> lease end (ms of Redis server time)
@@ -10,13 +10,16 @@ every script touches a single slot (never CROSSSLOT)::
     <prefix>:{<pool>}:total    string      sum of the costs: the pool's outstanding work (ms)
     <prefix>:{<pool>}:kv       string      sum of the KV tokens the entries will hold
     <prefix>:{<pool>}:groups   hash        group -> "count work" (a priority or tenant's entries)
+    <prefix>:{<pool>}:waiting  hash        gateway -> what it holds, per level (``wait``)
 
 Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header, sent
 with the helpers of ``entries.lua`` in front):
 ``reserve`` checks the ceiling and records in one atomic step, ``release`` removes exactly once,
 ``renew`` moves a lease end, ``heartbeat`` moves many (a replica's live entries, batched),
 ``adjust`` changes a live entry's cost, ``expire`` drops at most
-``sweep_batch`` lapsed entries per call, ``snapshot`` reads the count and the totals together.
+``sweep_batch`` lapsed entries per call (and gateways whose held requests' lease lapsed),
+``snapshot`` reads the count and the totals together, ``wait`` publishes a gateway's held
+requests, which ``reserve`` makes lower levels yield to.
 The totals are aggregates the scripts keep, never a sum over members, so each call costs
 O(log n) whatever the load. Lease ends come from Redis's ``TIME``: gateway clocks never matter.
 Python decides the ceiling; Lua only checks it.
@@ -74,7 +77,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from extproc.admission import Snapshot
 from extproc.config import LedgerConfig
 from extproc.errors import LedgerUnavailable
-from extproc.ledger import Cap, Entry
+from extproc.ledger import Cap, Entry, Reserved, Waiting
 from extproc.ledger.breaker import Breaker, State
 from extproc.ledger.connect import connect, describe
 
@@ -104,9 +107,9 @@ class _Script:
             return await client.eval(self.source, len(keys), *keys, *args)
 
 
-_RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT, _HEARTBEAT = (
+_RESERVE, _RELEASE, _RENEW, _ADJUST, _EXPIRE, _SNAPSHOT, _HEARTBEAT, _WAIT = (
     _Script(n) for n in ("reserve", "release", "renew", "adjust", "expire", "snapshot",
-                         "heartbeat"))
+                         "heartbeat", "wait"))
 BATCH = 500  # ids per heartbeat or release script call: one call never holds Redis long
 _Waiting = tuple[str, "asyncio.Future[bool]"]  # a queued release: its id, its caller's answer
 
@@ -165,20 +168,22 @@ class RedisLedger:
         return cls(client, key_prefix=config.key_prefix, pools=pools, breaker=breaker,
                    where=describe(config), extra_clients=extra)
 
-    def keys(self, pool: str) -> tuple[str, str, str, str, str]:
-        """The pool's leases, costs, total, kv and groups keys (one hash tag: one Cluster
-        slot)."""
+    def keys(self, pool: str) -> tuple[str, str, str, str, str, str]:
+        """The pool's leases, costs, total, kv, groups and waiting keys (one hash tag: one
+        Cluster slot)."""
         base = f"{self.prefix}:{{{pool}}}"
         return (f"{base}:leases", f"{base}:costs", f"{base}:total", f"{base}:kv",
-                f"{base}:groups")
+                f"{base}:groups", f"{base}:waiting")
 
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
-                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> bool:
+                      max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> Reserved:
         self._pools.setdefault(entry.pool)
         args = [entry.request_id, _num(entry.cost_ms), _num(entry.lease_ms),
                 "" if ceiling_ms is None else _num(ceiling_ms), str(int(entry.kv_tokens)),
                 "" if max_inflight is None else str(int(max_inflight)),
-                " ".join(_group(g) for g in entry.groups)]
+                " ".join(_group(g) for g in entry.groups),
+                "" if ceiling_ms is None else str(int(entry.priority)),
+                _group(entry.gateway or "-")]
         for cap in caps:
             args += [_group(cap.group),
                      "" if cap.max_inflight is None else str(int(cap.max_inflight)),
@@ -186,7 +191,7 @@ class RedisLedger:
         sent = time.monotonic()
         ok, raw = await self._run("reserve", _RESERVE, self.keys(entry.pool), args)
         self._saw(entry.pool, _Seen(sent, raw))
-        return bool(ok)
+        return Reserved(int(ok))
 
     async def release(self, request_id: str, pool: str) -> bool:
         """Queued, and sent with the other releases queued meanwhile (``_flush``); the answer
@@ -251,7 +256,7 @@ class RedisLedger:
 
     async def adjust(self, request_id: str, pool: str, cost_ms: float,
                      kv_tokens: int | None = None) -> bool:
-        _, costs, total, kv, groups = self.keys(pool)
+        _, costs, total, kv, groups, _ = self.keys(pool)
         args = (request_id, _num(cost_ms), "" if kv_tokens is None else str(int(kv_tokens)))
         return bool(await self._run("adjust", _ADJUST, (costs, total, kv, groups), args))
 
@@ -271,13 +276,22 @@ class RedisLedger:
         return dropped
 
     async def snapshot(self, pool: str) -> Snapshot:
-        leases, _, total, kv, groups = self.keys(pool)
+        leases, _, total, kv, groups, _ = self.keys(pool)
         sent = time.monotonic()
         raw = await self._run("snapshot", _SNAPSHOT, (leases, total, kv, groups), ())
         seen = _Seen(sent, raw, _snapshot(raw))
         self._saw(pool, seen)
         assert seen.snapshot is not None
         return seen.snapshot
+
+    async def wait(self, pool: str, gateway: str, held: Sequence[Waiting],
+                   lease_ms: float) -> None:
+        self._pools.setdefault(pool)
+        args = [_group(gateway), _num(lease_ms)]
+        for w in held:
+            args += [str(int(w.priority)), str(int(w.inflight)), _num(w.outstanding_ms),
+                     str(int(w.kv_tokens))]
+        await self._run("wait", _WAIT, (self.keys(pool)[5],), args)
 
     def recent(self, pool: str) -> tuple[Snapshot, float] | None:
         """The pool's newest snapshot from any answer (``reserve``, ``release``, ``snapshot``)
