@@ -83,7 +83,7 @@ from extproc.estimate import TokenCounter, prompt_tokens
 from extproc.holding import Holding
 from extproc.learning import PoolLearning, learning_for
 from extproc.leases import Leases
-from extproc.ledger import Entry, Ledger, Reserved, Waiting
+from extproc.ledger import Entry, Ledger, Reserved
 from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.pricing import Pricing, Uncounted
@@ -360,14 +360,15 @@ class Gate:
                     self.metrics.groups(pool.name, snapshot, ask.groups, self._labels.label)
                     fix = self._engine_correction(pool, snapshot, engines)
                     verdict = self._verdict(admit(ask, pool, self.config, learning, snapshot,
-                                                  replicas, self._clock(), fix), pool.name,
-                                            snapshot)
+                                                  replicas, self._clock(), fix), pool.name)
                     if not current and not (verdict.enforced
                                             and verdict.outcome is Outcome.ADMIT):
                         read = True  # the reserve would not check it again: decide on a read
                         continue
                     if verdict.blocks:
                         return verdict
+                    if verdict.enforced and self.holding.blocks(pool.name, ask.priority):
+                        return contended(verdict, Reason.PRIORITY)  # a higher band is held
                     entry = self._entry(request_id, pool.name, verdict)
                     # Shadow mode and infeasible-but-passed requests run whatever the ledger
                     # holds: they are recorded without a ceiling.
@@ -382,7 +383,7 @@ class Gate:
                     if reserved:
                         return dataclasses.replace(
                             verdict, ticket=self._ticket(entry, verdict, reserved_at=reserved_at))
-                    if reserved is Reserved.YIELDED:  # another gateway holds a higher one
+                    if reserved is Reserved.YIELDED:  # another gateway holds a higher band
                         return contended(verdict, Reason.PRIORITY)
                     # Refused: another gateway took the room since our snapshot. Again, on the
                     # pool as the refusal found it (its answer) or a fresh read.
@@ -418,20 +419,20 @@ class Gate:
         snapshot, age = recent
         return snapshot, time.monotonic() - age
 
-    def _verdict(self, adm: Admission, pool: str, seen: Snapshot) -> Verdict:
+    def _verdict(self, adm: Admission, pool: str) -> Verdict:
         return Verdict(adm.outcome, adm.reason, pool, adm.service_class, adm.decision,
                        error=adm.error, enforced=self.config.mode is Mode.ENFORCE,
                        prompt_tokens=adm.cost.prompt_tokens,
-                       output_tokens=adm.cost.output_tokens, admission=adm, seen=seen)
+                       output_tokens=adm.cost.output_tokens, admission=adm)
 
-    async def _publish(self, pool: str, held: Sequence[Waiting]) -> None:
-        """Tell the ledger what this gateway holds (``Ledger.wait``), so other gateways'
-        lower priorities yield to it. Best effort: a ledger that does not answer leaves the
-        order across gateways unkept until it does, as ``docs/defer.md`` says."""
+    async def _publish(self, pool: str, level: int | None) -> None:
+        """Tell the ledger the highest priority this gateway holds (``Ledger.wait``), so
+        other gateways' lower priorities yield to it. Best effort: a ledger that does not
+        answer leaves the order across gateways unkept until it does (``docs/defer.md``)."""
         try:
             async with asyncio.timeout(self.config.ledger.decision_deadline_ms / 1000.0):
                 await self.leases.call("wait", self.ledger.wait(
-                    pool, self.gateway, held, self.config.ledger.liveness_ms))
+                    pool, self.gateway, level, self.config.ledger.liveness_ms))
         except (LedgerUnavailable, TimeoutError) as exc:
             log.debug("could not publish the held requests of pool %s: %s", pool, exc)
 
@@ -445,7 +446,7 @@ class Gate:
         local = self.leases.local(pool.name)
         fix = self._engine_correction(pool, local, engines)
         verdict = self._verdict(admit(ask, pool, self.config, self.learning[pool.name], local,
-                                      replicas, self._clock(), fix), pool.name, local)
+                                      replicas, self._clock(), fix), pool.name)
         if on_unavailable is OnUnavailable.FAIL_CLOSED and verdict.outcome is not Outcome.INVALID:
             # Fail-closed: we cannot record the request, so we do not let it run.
             verdict = dataclasses.replace(verdict, outcome=Outcome.REJECT,

@@ -12,10 +12,12 @@ admitted one is settled.
   held (other gateways' releases, replicas added, time itself).
 - ``refuse_all``: the drain answers every held request with a 429 at once.
 
-What a pool holds is published to the ledger (``Ledger.wait``: per priority level, the pool at
-its fullest where those requests were last refused) when a request is held, after every pass
-and when the last one goes, so that another gateway's lower priorities yield to them while
-they may fit: one priority order across the gateways of a shared ledger.
+- ``blocks``: a higher band than a request's is held, so it is not sent (``extproc.defer``).
+
+The highest band a pool holds is published to the ledger (``Ledger.wait``) when a request is
+held, after every pass and when the last one goes, so that other gateways' lower priorities
+yield to it as this gateway's own do: one strict priority order across the gateways of a
+shared ledger.
 
 A request is answered once: by a pass (``answer`` set) or by its holder giving up (``answer``
 cancelled); a pass that admitted a request whose holder gave up meanwhile settles it, so no
@@ -27,12 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 from extproc.admission import Outcome, Reason
 from extproc.config import Config
 from extproc.defer import DEFERRABLE, Queue, Refused, enter, predicted_wait_ms
-from extproc.ledger import FITS, Waiting
 from extproc.metrics import Metrics
 from extproc.share import priority_label
 from extproc.step import Ask
@@ -57,13 +58,13 @@ class Holding:
     def __init__(self, config: Config, metrics: Metrics,
                  decide: Callable[[str, Ask], Awaitable[Verdict]],
                  settle: Callable[[Ticket, bool], Awaitable[None]],
-                 publish: Callable[[str, Sequence[Waiting]], Awaitable[None]],
+                 publish: Callable[[str, int | None], Awaitable[None]],
                  replicas: Callable[[str], int], clock: Callable[[], float]) -> None:
         self.config = config
         self.metrics = metrics
         self._decide = decide  # a held request decided again, on its pool as it is now
         self._settle = settle
-        self._publish = publish  # what a pool holds, to the ledger (module docstring)
+        self._publish = publish  # the highest band a pool holds, to the ledger (docstring)
         self._replicas = replicas
         self._clock = clock
         self.queues = {p.name: Queue(config.defer.max_waiting,
@@ -80,8 +81,9 @@ class Holding:
 
     async def first(self, pool: str) -> None:
         """An arrival: what ``pool`` holds has its turn first."""
-        if self.queues[pool]:
-            async with self._passes[pool]:
+        lock = self._passes.get(pool)  # made with the pool's dispatcher
+        if self.queues[pool] and lock is not None:
+            async with lock:
                 await self._pass(pool)
 
     async def hold(self, pool: str, ask: Ask, verdict: Verdict, arrived: float,
@@ -107,7 +109,7 @@ class Holding:
             self._passes[pool], self._woken[pool] = asyncio.Lock(), asyncio.Event()
             self._dispatchers[pool] = asyncio.create_task(self._dispatch(pool))
         try:
-            await self._publish(pool, self.waiting(pool))
+            await self._publish(pool, queue.highest())
             async with asyncio.timeout(max(0.0, until - now)):
                 answer = await asyncio.shield(held.answer)
         except TimeoutError:
@@ -140,7 +142,7 @@ class Holding:
             while queue:
                 async with self._passes[pool]:
                     await self._pass(pool)
-                await self._publish(pool, self.waiting(pool))
+                await self._publish(pool, queue.highest())
                 if not queue:
                     break
                 woken.clear()
@@ -179,21 +181,9 @@ class Holding:
             self._count(pool)
             held.answer.set_result(verdict)
 
-    def waiting(self, pool: str) -> list[Waiting]:
-        """What ``pool`` holds, per priority level, as the ledger orders it (``Ledger.wait``):
-        the pool at its fullest where that level's requests were last refused; ``FITS`` for
-        one that fit but yielded to another gateway's higher one."""
-        levels: dict[int, Waiting] = {}
-        for waiter in self.queues[pool].order():
-            seen = waiter.payload.last.seen
-            w = (Waiting(waiter.priority, FITS, 0.0, 0) if seen is None else
-                 Waiting(waiter.priority, seen.inflight, seen.outstanding_ms, seen.kv_tokens))
-            if (was := levels.get(waiter.priority)) is not None:
-                w = Waiting(w.priority, max(w.inflight, was.inflight),
-                            max(w.outstanding_ms, was.outstanding_ms),
-                            max(w.kv_tokens, was.kv_tokens))
-            levels[waiter.priority] = w
-        return list(levels.values())
+    def blocks(self, pool: str, priority: int) -> bool:
+        """``pool`` holds a higher band than ``priority``: nothing of it is sent now."""
+        return self.queues[pool].blocks(priority)
 
     def _count(self, pool: str) -> None:
         """The held-requests gauge: each level held now, and 0 for those held before."""

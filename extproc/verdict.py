@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from extproc.admission import Decision, Outcome, Reason, Snapshot
+from extproc.admission import Decision, Outcome, Reason
 from extproc.decisionlog import Pending
 from extproc.errors import RequestError
 from extproc.step import Admission
@@ -75,7 +75,6 @@ class Verdict:
     tenant: Tenant | None = None  # who is charged (extproc.tenant); None: attribution off
     admission: Admission | None = None  # the step's answer, when it decided
     held_ms: float = 0.0  # how long the gateway held it before this answer (extproc.defer)
-    seen: Snapshot | None = None  # a refusal's ledger view (None: it fit, and yielded)
 
     @property
     def blocks(self) -> bool:
@@ -101,14 +100,14 @@ def refused_held(verdict: Verdict, reason: Reason, retry_ms: float) -> Verdict:
 
 
 def contended(verdict: Verdict, reason: Reason = Reason.DEADLINE) -> Verdict:
-    """Every reserve was refused: other gateways keep filling the room we saw (a 429), or,
-    ``reason`` ``PRIORITY``, one holds a higher priority that may fit (``Ledger.wait``): it
-    fit, so its view is None (``seen``)."""
+    """An admission that does not run after all (a 429, or held): every reserve was refused,
+    other gateways keep filling the room we saw; or (``reason`` ``PRIORITY``) a higher
+    priority is held, here or by another gateway (``extproc.defer``, ``Ledger.wait``)."""
     assert verdict.decision is not None
     decision = dataclasses.replace(verdict.decision, outcome=Outcome.REJECT,
                                    reason=reason, ceiling_ms=None)
     return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason,
-                               decision=decision, seen=None)
+                               decision=decision)
 
 
 class Listener(Protocol):

@@ -97,6 +97,18 @@ def test_a_pass_decides_a_bounded_number_again() -> None:
     assert [w.key for w in queue.pass_order()] == [str(i) for i in range(PASSED_OVER)]
 
 
+def test_while_a_higher_band_is_held_nothing_lower_is_decided_or_sent() -> None:
+    queue = Queue()
+    assert queue.highest() is None and not queue.blocks(-1)
+    low, high = waiter("low", priority=-1, due=1.0), waiter("high", priority=1, due=9.0)
+    queue.push(low)
+    queue.push(high)
+    assert queue.highest() == 1 and queue.blocks(0) and not queue.blocks(1)
+    assert [w.key for w in queue.pass_order()] == ["high"]  # the lower band waits its turn
+    queue.sent(high)
+    assert [w.key for w in queue.pass_order()] == ["low"] and not queue.blocks(-1)
+
+
 def test_the_work_ahead_counts_higher_bands_and_earlier_deadlines() -> None:
     queue = Queue()
     queue.push(waiter("high", priority=1, charge=400.0, due=50.0))
@@ -246,6 +258,36 @@ async def test_a_higher_priority_held_later_is_sent_first() -> None:
     assert sent.held_ms < after.held_ms
     await gate.settle(after.ticket)
 
+
+
+async def test_a_lower_priority_that_fits_is_held_while_a_higher_one_waits() -> None:
+    """A KV cache of 1,600 tokens: a critical request with a long prompt is held while a
+    running request holds part of it. A sheddable request small enough to fit is held behind
+    it, not sent past it; the critical one goes at the next release, and the sheddable one
+    after it."""
+    gate = gate_for({"priority": {"header": "x-priority"}, "pools": [{
+        "name": "llama", "models": ["*"], "replicas": 1,
+        "engine": {"max_num_seqs": 4, "num_gpu_blocks": 100, "block_size": 16}}]})
+    route = gate.config.route(PATH)
+    assert route is not None
+    first = await check(gate, 1000)
+    long_prompt = json.dumps({"model": "m", "max_tokens": 100,
+                              "messages": [{"role": "user", "content": "x" * 5600}]}).encode()
+    high = asyncio.create_task(gate.check(route, PATH, {"x-priority": "critical"}, long_prompt))
+    await until_held(gate, 1)
+    low = asyncio.create_task(gate.check(route, PATH, {"x-priority": "sheddable"}, body(10)))
+    await until_held(gate, 2)
+    await asyncio.sleep(0.1)  # passes come and go: it stays held
+    assert not low.done() and not high.done()
+    assert first.ticket is not None
+    await gate.settle(first.ticket)
+    sent = await asyncio.wait_for(high, 2)
+    assert sent.ticket is not None
+    await gate.settle(sent.ticket)
+    after = await asyncio.wait_for(low, 2)
+    assert after.ticket is not None and after.held_ms > 100
+    await gate.settle(after.ticket)
+    assert (await gate.ledger.snapshot("llama")).inflight == 0
 
 
 async def test_held_requests_are_demand_in_the_autoscalers_window() -> None:

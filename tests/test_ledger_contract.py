@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from extproc import config
-from extproc.ledger import FITS, Cap, Entry, Ledger, Reserved, Waiting
+from extproc.ledger import Cap, Entry, Ledger, Reserved
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 from tests.redis_server import RedisClusterNodes, RedisServer
@@ -266,36 +266,31 @@ def ranked(rid: str, priority: int, gateway: str, cost: float = 100.0) -> Entry:
     return dataclasses.replace(entry(rid, cost), priority=priority, gateway=gateway)
 
 
-async def test_a_lower_priority_yields_while_another_gateways_held_higher_one_may_fit(
+async def test_a_lower_priority_yields_while_another_gateway_holds_a_higher_one(
         ledger: Ledger) -> None:
-    """Gateway b holds a critical request it last found no room for (the pool as it stood: 2
-    entries, 200 ms of work). While the pool is as full, gateway a's standard request goes;
-    once anything left, it yields (b's may fit now) until b publishes again or holds nothing.
-    b's own entries, a's equal priority and entries without a ceiling never yield."""
-    assert await ledger.reserve(entry("x", 100.0))
-    assert await ledger.reserve(entry("y", 100.0))
-    await ledger.wait("p", "b", [Waiting(2, 2, 200.0, 2000)], 60_000)
-    assert await ledger.reserve(ranked("s1", 1, "a"), ceiling_ms=10_000) is Reserved.RECORDED
-    assert await ledger.release("s1", "p") and await ledger.release("y", "p")  # room came back
-    assert await ledger.reserve(ranked("s2", 1, "a"), ceiling_ms=10_000) is Reserved.YIELDED
-    assert (await ledger.snapshot("p")).inflight == 1  # a yield records nothing
-    assert await ledger.reserve(ranked("c1", 2, "a"), ceiling_ms=10_000)  # not lower
-    assert await ledger.reserve(ranked("s3", 1, "b"), ceiling_ms=10_000)  # b's own
-    assert await ledger.reserve(ranked("s4", 1, "a"))  # no ceiling: shadow, recorded anyway
-    for rid in ("c1", "s3", "s4"):
-        assert await ledger.release(rid, "p")
-    # b decided its request again on this pool and still found no room: a's may go
-    await ledger.wait("p", "b", [Waiting(2, 1, 100.0, 1000)], 60_000)
-    assert await ledger.reserve(ranked("s5", 1, "a"), ceiling_ms=10_000)
-    # one of b's fit but yielded to a higher one elsewhere: any pool is emptier
-    await ledger.wait("p", "b", [Waiting(2, FITS, 0.0, 0)], 60_000)
-    assert await ledger.reserve(ranked("s6", 1, "a"), ceiling_ms=10_000) is Reserved.YIELDED
-    await ledger.wait("p", "b", [], 60_000)  # b holds nothing
-    assert await ledger.reserve(ranked("s6", 1, "a"), ceiling_ms=10_000)
+    """Gateway b holds critical requests (level 1). Gateway a's standard (0) entries yield and
+    record nothing, though they fit; a's critical ones, b's own standard ones and entries
+    recorded without a ceiling (shadow mode) go. Once b holds only standard, or nothing, a's
+    standard entries go too."""
+    await ledger.wait("p", "b", 1, 60_000)
+    assert await ledger.reserve(ranked("s1", 0, "a"), ceiling_ms=10_000) is Reserved.YIELDED
+    assert (await ledger.snapshot("p")).inflight == 0  # a yield records nothing
+    assert await ledger.reserve(ranked("c1", 1, "a"), ceiling_ms=10_000) is Reserved.RECORDED
+    assert await ledger.reserve(ranked("s2", 0, "b"), ceiling_ms=10_000)  # b's own
+    assert await ledger.reserve(ranked("s3", 0, "a"))  # no ceiling: recorded anyway
+    assert await ledger.reserve(ranked("f1", 0, "a", 20_000.0),
+                                ceiling_ms=10_000) is Reserved.FULL  # full before yielding
+    await ledger.wait("p", "b", 0, 60_000)
+    assert await ledger.reserve(ranked("s1", 0, "a"), ceiling_ms=10_000)
+    await ledger.wait("p", "b", 1, 60_000)
+    assert await ledger.reserve(ranked("s4", 0, "a"), ceiling_ms=10_000) is Reserved.YIELDED
+    await ledger.wait("p", "b", None, 60_000)  # b holds nothing
+    assert await ledger.reserve(ranked("s4", 0, "a"), ceiling_ms=10_000)
+    assert (await ledger.snapshot("p")).inflight == 5
 
 
 async def test_a_dead_gateways_held_requests_lapse_with_their_lease(ledger: Ledger) -> None:
-    await ledger.wait("p", "b", [Waiting(2, FITS, 0.0, 0)], 50)
+    await ledger.wait("p", "b", 2, 50)
     assert await ledger.reserve(ranked("s", 1, "a"), ceiling_ms=10_000) is Reserved.YIELDED
     await asyncio.sleep(0.15)
     assert await ledger.reserve(ranked("s", 1, "a"), ceiling_ms=10_000)

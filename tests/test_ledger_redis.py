@@ -23,7 +23,7 @@ from redis.crc import key_slot
 
 from extproc import config
 from extproc.errors import LedgerUnavailable
-from extproc.ledger import Entry, Waiting
+from extproc.ledger import Entry
 from extproc.ledger.breaker import State
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
@@ -59,10 +59,10 @@ async def round_trip(ledger: RedisLedger) -> None:
         assert await ledger.adjust("a", "p", 650.0)
         snap = await ledger.snapshot("p")
         assert (snap.inflight, snap.outstanding_ms) == (1, 650.0)
-        await ledger.wait("p", "gw", [Waiting(1, 1, 650.0, 0)], 60_000)
+        await ledger.wait("p", "gw", 1, 60_000)
         assert await ledger.release("a", "p")
         assert not await ledger.release("a", "p")
-        await ledger.wait("p", "gw", [], 60_000)
+        await ledger.wait("p", "gw", None, 60_000)
     finally:
         await ledger.close()
 
@@ -85,20 +85,20 @@ async def ledger(server: RedisServer) -> AsyncIterator[RedisLedger]:
 async def test_a_pool_is_six_keys_in_one_slot_and_an_empty_pool_leaves_none(
         server: RedisServer, ledger: RedisLedger) -> None:
     await ledger.reserve(dataclasses.replace(entry("a", 10.0), groups=("p:0", "t:acme")))
-    await ledger.wait("p", "gw", [Waiting(1, 1, 10.0, 0)], 60_000)
+    await ledger.wait("p", "gw", 1, 60_000)
     keys = ledger.keys("p")
     assert all(":{p}:" in k for k in keys)
     assert len({key_slot(k.encode()) for k in keys}) == 1
     r = server.client()
     assert sorted(r.keys(f"{ledger.prefix}:*")) == sorted(k.encode() for k in keys)
     assert await ledger.release("a", "p")
-    await ledger.wait("p", "gw", [], 60_000)
+    await ledger.wait("p", "gw", None, 60_000)
     assert r.keys(f"{ledger.prefix}:*") == []
 
 
 async def test_a_dead_gateways_held_requests_leave_no_key_after_a_sweep(
         server: RedisServer, ledger: RedisLedger) -> None:
-    await ledger.wait("p", "gw", [Waiting(1, 1, 10.0, 0)], 50)
+    await ledger.wait("p", "gw", 1, 50)
     await asyncio.sleep(0.1)
     assert await ledger.expire() == 0
     assert server.client().keys(f"{ledger.prefix}:*") == []

@@ -24,15 +24,13 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
   and per group with entries, its count and work.
 - Groups (``entry.groups``: its priority and tenant, ``extproc.share``) are counted with the
   totals, in the same atomic steps; a group whose last entry goes leaves nothing behind.
-- ``wait(pool, gateway, held, lease_ms)`` publishes what a gateway holds (``extproc.defer``),
-  replacing what it published before (``held`` empty: nothing): per priority level, the pool
-  at its fullest when those requests were last refused (``Waiting``), for ``lease_ms``.
-  ``reserve`` of an entry with a ceiling then answers ``YIELDED`` (refused) while another
-  gateway's live ``Waiting`` of a higher priority than ``entry.priority`` finds the pool
-  emptier in any way (fewer entries, less work or fewer KV tokens): what it holds may fit
-  now, and goes first. A gateway's own held requests never yield to each other here (its
-  queue orders them); a gateway whose lease lapsed (it died) is ignored, and ``expire``
-  removes it.
+- ``wait(pool, gateway, level, lease_ms)`` publishes the highest priority level a gateway holds
+  requests of (``extproc.defer``; None: it holds none), replacing what it published before,
+  for ``lease_ms``. ``reserve`` of an entry with a ceiling answers ``YIELDED`` (refused,
+  nothing recorded) while another gateway's live level is higher than ``entry.priority``:
+  one strict priority order across the gateways of a shared ledger. A gateway's own held
+  requests never make its entries yield here (its queue orders them); a gateway whose lease
+  lapsed (it died) is ignored, and ``expire`` removes it.
 
 A shared ledger may also offer ``recent(pool)`` (``Recent``; the Redis ledger does): the
 pool's newest snapshot that came back with any of its answers, and its age. The gate may
@@ -71,36 +69,10 @@ class Reserved(enum.IntEnum):
 
     FULL = 0  # refused: past the ceiling, the count or a cap
     RECORDED = 1  # recorded, now or by an earlier reserve of the same id
-    YIELDED = 2  # refused: another gateway holds a higher priority that may fit (``wait``)
+    YIELDED = 2  # refused: another gateway holds a higher priority (``wait``)
 
     def __bool__(self) -> bool:
         return self is Reserved.RECORDED
-
-
-FITS = 1 << 30  # ``Waiting.inflight`` of held requests that fit: any pool is emptier
-
-
-@dataclass(frozen=True, slots=True)
-class Waiting:
-    """What one gateway holds of one priority level in a pool: the pool at its fullest when
-    those requests were last refused (each quantity the most of any of them). A request that
-    fit but yielded to a higher one is published with ``inflight=FITS``."""
-
-    priority: int
-    inflight: int
-    outstanding_ms: float
-    kv_tokens: int
-
-    def ahead_of(self, priority: int, snapshot: Snapshot) -> bool:
-        """Whether a reserve of ``priority`` on ``snapshot`` yields to these held requests:
-        they rank higher and the pool is emptier than where they were refused."""
-        return self.priority > priority and (
-            snapshot.inflight < self.inflight
-            or snapshot.outstanding_ms < self.outstanding_ms - EMPTIER_MS
-            or snapshot.kv_tokens < self.kv_tokens)
-
-
-EMPTIER_MS = 1e-3  # less work than this is the same pool (sums of floats drift)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +103,7 @@ class Ledger(Protocol):
 
     async def snapshot(self, pool: str) -> Snapshot: ...
 
-    async def wait(self, pool: str, gateway: str, held: Sequence[Waiting],
+    async def wait(self, pool: str, gateway: str, level: int | None,
                    lease_ms: float) -> None: ...
 
     async def close(self) -> None: ...
@@ -149,4 +121,4 @@ class Recent(Protocol):
         ...
 
 
-__all__ = ["FITS", "Cap", "Entry", "Ledger", "Recent", "Reserved", "Snapshot", "Waiting"]
+__all__ = ["Cap", "Entry", "Ledger", "Recent", "Reserved", "Snapshot"]

@@ -10,7 +10,7 @@ local function split(v)  -- an entry's value: cost, kv, {group, ...}
   for i = 3, #parts do groups[#groups + 1] = parts[i] end
   return tonumber(parts[1]), tonumber(parts[2] or '0'), groups
 end
-local function counted(v)  -- a group's value: count, work
+local function counted(v)  -- two numbers: a group's "count work", a gateway's "lease-end level"
   local sep = string.find(v, ' ', 1, true)
   return tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
 end

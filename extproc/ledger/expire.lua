@@ -7,14 +7,15 @@
 -- KEYS[3]  total   string: the pool's outstanding work in ms
 -- KEYS[4]  kv      string: the KV tokens the pool's entries hold
 -- KEYS[5]  groups  hash: group -> "count work" of the entries counted in it
--- KEYS[6]  waiting hash: gateway -> "lease-end ..." (wait.lua); lapsed gateways go too
+-- KEYS[6]  waiting hash: gateway -> "lease-end level" (wait.lua); lapsed gateways go too
 -- ARGV[1]  most entries to drop
 -- Returns the number of entries dropped.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local held = redis.call('HGETALL', KEYS[6])
 for i = 1, #held, 2 do
-  if tonumber(string.match(held[i + 1], '%S+')) <= now then
+  local lease_end = counted(held[i + 1])
+  if lease_end <= now then
     redis.call('HDEL', KEYS[6], held[i])
   end
 end

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from extproc.admission import Snapshot
-from extproc.ledger import Cap, Entry, Reserved, Waiting
+from extproc.ledger import Cap, Entry, Reserved
 
 _EMPTY = Snapshot(inflight=0, outstanding_ms=0.0)
 
@@ -34,8 +34,8 @@ class _Pool:
     kv_tokens: int = 0
     leases: list[tuple[float, str]] = field(default_factory=list)
     groups: dict[str, tuple[int, float]] = field(default_factory=dict)  # -> (count, work)
-    # gateway -> (lease end, what it holds) (``Ledger.wait``)
-    waiting: dict[str, tuple[float, tuple[Waiting, ...]]] = field(default_factory=dict)
+    # gateway -> (lease end, the highest priority level it holds) (``Ledger.wait``)
+    waiting: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def count(self, groups: tuple[str, ...], cost: float, sign: int) -> None:
         """Add (``sign`` 1) or remove (-1) one entry of ``cost`` from its groups; a group's
@@ -102,18 +102,16 @@ class LedgerCore:
         heapq.heappush(pool.leases, (end, entry.request_id))
         return Reserved.RECORDED
 
-    def _behind(self, pool: _Pool, entry: Entry, now: float) -> bool:
-        """Another gateway's live held requests rank above ``entry`` and may fit."""
-        if not pool.waiting:
-            return False
-        view = self.snapshot(entry.pool)
-        return any(gateway != entry.gateway and end > now and w.ahead_of(entry.priority, view)
-                   for gateway, (end, held) in pool.waiting.items() for w in held)
+    @staticmethod
+    def _behind(pool: _Pool, entry: Entry, now: float) -> bool:
+        """Another gateway, alive, holds a higher priority than ``entry``'s."""
+        return any(gateway != entry.gateway and end > now and level > entry.priority
+                   for gateway, (end, level) in pool.waiting.items())
 
-    def wait(self, pool: str, gateway: str, held: Sequence[Waiting], lease_ms: float) -> None:
+    def wait(self, pool: str, gateway: str, level: int | None, lease_ms: float) -> None:
         p = self._pool(pool)
-        if held:
-            p.waiting[gateway] = (self._clock() + lease_ms / 1000.0, tuple(held))
+        if level is not None:
+            p.waiting[gateway] = (self._clock() + lease_ms / 1000.0, level)
         else:
             p.waiting.pop(gateway, None)
 
@@ -215,9 +213,9 @@ class MemoryLedger:
     async def snapshot(self, pool: str) -> Snapshot:
         return self.core.snapshot(pool)
 
-    async def wait(self, pool: str, gateway: str, held: Sequence[Waiting],
+    async def wait(self, pool: str, gateway: str, level: int | None,
                    lease_ms: float) -> None:
-        self.core.wait(pool, gateway, held, lease_ms)
+        self.core.wait(pool, gateway, level, lease_ms)
 
     async def close(self) -> None:
         self.core.close()

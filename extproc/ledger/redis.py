@@ -10,7 +10,7 @@ every script touches a single slot (never CROSSSLOT)::
     <prefix>:{<pool>}:total    string      sum of the costs: the pool's outstanding work (ms)
     <prefix>:{<pool>}:kv       string      sum of the KV tokens the entries will hold
     <prefix>:{<pool>}:groups   hash        group -> "count work" (a priority or tenant's entries)
-    <prefix>:{<pool>}:waiting  hash        gateway -> what it holds, per level (``wait``)
+    <prefix>:{<pool>}:waiting  hash        gateway -> "lease-end level": the highest it holds
 
 Every change is one Lua script (``*.lua`` beside this file, each with a KEYS/ARGV header, sent
 with the helpers of ``entries.lua`` in front):
@@ -18,8 +18,8 @@ with the helpers of ``entries.lua`` in front):
 ``renew`` moves a lease end, ``heartbeat`` moves many (a replica's live entries, batched),
 ``adjust`` changes a live entry's cost, ``expire`` drops at most
 ``sweep_batch`` lapsed entries per call (and gateways whose held requests' lease lapsed),
-``snapshot`` reads the count and the totals together, ``wait`` publishes a gateway's held
-requests, which ``reserve`` makes lower levels yield to.
+``snapshot`` reads the count and the totals together, ``wait`` publishes the highest priority
+a gateway holds, which ``reserve`` makes lower priorities yield to.
 The totals are aggregates the scripts keep, never a sum over members, so each call costs
 O(log n) whatever the load. Lease ends come from Redis's ``TIME``: gateway clocks never matter.
 Python decides the ceiling; Lua only checks it.
@@ -77,7 +77,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from extproc.admission import Snapshot
 from extproc.config import LedgerConfig
 from extproc.errors import LedgerUnavailable
-from extproc.ledger import Cap, Entry, Reserved, Waiting
+from extproc.ledger import Cap, Entry, Reserved
 from extproc.ledger.breaker import Breaker, State
 from extproc.ledger.connect import connect, describe
 
@@ -284,13 +284,10 @@ class RedisLedger:
         assert seen.snapshot is not None
         return seen.snapshot
 
-    async def wait(self, pool: str, gateway: str, held: Sequence[Waiting],
+    async def wait(self, pool: str, gateway: str, level: int | None,
                    lease_ms: float) -> None:
         self._pools.setdefault(pool)
-        args = [_group(gateway), _num(lease_ms)]
-        for w in held:
-            args += [str(int(w.priority)), str(int(w.inflight)), _num(w.outstanding_ms),
-                     str(int(w.kv_tokens))]
+        args = [_group(gateway), _num(lease_ms), "" if level is None else str(int(level))]
         await self._run("wait", _WAIT, (self.keys(pool)[5],), args)
 
     def recent(self, pool: str) -> tuple[Snapshot, float] | None:

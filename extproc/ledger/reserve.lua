@@ -8,7 +8,7 @@
 -- KEYS[3]  total   string: the pool's outstanding work in ms (sum of costs), kept by these scripts
 -- KEYS[4]  kv      string: the KV tokens the pool's entries hold (sum of kv), kept likewise
 -- KEYS[5]  groups  hash: group -> "count work" of the entries counted in it
--- KEYS[6]  waiting hash: gateway -> "lease-end level count work kv ..." (wait.lua)
+-- KEYS[6]  waiting hash: gateway -> "lease-end level": the highest priority it holds (wait.lua)
 -- ARGV[1]  request id
 -- ARGV[2]  cost, ms (decimal)
 -- ARGV[3]  lease, ms
@@ -20,8 +20,8 @@
 -- ARGV[9]  the gateway recording it (its own held requests never make it yield)
 -- ARGV[10..] caps, three arguments each: group, most entries ('' none), most work ms ('' none)
 -- Returns {1 when recorded or already present (a retried reserve counts once), 0 when refused
---          (ceiling, count or cap), 2 when it yields: another gateway's live held requests of
---          a higher level find the pool emptier than where they were last refused;
+--          (ceiling, count or cap), 2 when it yields: another gateway, its lease live, holds
+--          requests of a higher priority;
 --          the pool's snapshot after it (as snapshot.lua)}: the next decision's input, without
 --          a snapshot call of its own (extproc.gate).
 --
@@ -68,21 +68,11 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 if ARGV[8] ~= '' then
-  local level, count = tonumber(ARGV[8]), redis.call('ZCARD', KEYS[1])
-  local tokens = tonumber(redis.call('GET', KEYS[4]) or '0')
   local held = redis.call('HGETALL', KEYS[6])
   for i = 1, #held, 2 do
-    if held[i] ~= ARGV[9] then
-      local f = {}
-      for w in string.gmatch(held[i + 1], '%S+') do f[#f + 1] = tonumber(w) end
-      if f[1] > now then
-        for j = 2, #f, 4 do  -- as extproc.ledger.Waiting.ahead_of
-          if f[j] > level and (count < f[j + 1] or total < f[j + 2] - 1e-3
-                               or tokens < f[j + 3]) then
-            return answer(2)
-          end
-        end
-      end
+    local lease_end, level = counted(held[i + 1])  -- "lease-end level"
+    if held[i] ~= ARGV[9] and lease_end > now and level > tonumber(ARGV[8]) then
+      return answer(2)
     end
   end
 end

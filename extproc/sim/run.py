@@ -498,6 +498,8 @@ class Simulation:
         adm = None
         if self.policy.uses_step:
             adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now)
+            if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
+                adm = _refused(adm, Reason.PRIORITY)  # a higher band is held (extproc.defer)
             outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
             service = adm.decision.service_ms if adm.decision is not None else 0.0
             kv = adm.kv_tokens
@@ -858,4 +860,5 @@ def simulate(scenario: Scenario, policy: AdmissionPolicy,
 
 
 def _refused(adm: Admission, reason: Reason) -> Admission:
-    return dataclasses.replace(adm, reason=reason)
+    return dataclasses.replace(adm, outcome=Outcome.REJECT, reason=reason, ceiling_ms=None,
+                               max_inflight=None)
