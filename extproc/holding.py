@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 
 from extproc.admission import Outcome, Reason
 from extproc.config import Config
-from extproc.defer import DEFERRABLE, Queue, Refused, enter, predicted_wait_ms
+from extproc.defer import DEFERRABLE, Queue, Refused, Waiter, enter, predicted_wait_ms
 from extproc.metrics import Metrics
 from extproc.share import priority_label
 from extproc.step import Ask
@@ -98,7 +98,7 @@ class Holding:
         weight = self.config.tenant.policy(ask.tenant).weight if ask.tenant else 1.0
         held = _Held(asyncio.get_running_loop().create_future(), ask, arrived, verdict)
         waiter = enter(queue, adm, ask.tenant, weight, arrived=arrived, now=now,
-                       replicas=replicas, payload=held)
+                       replicas=replicas, payload=held, displaced=self._displaced)
         if isinstance(waiter, Refused):
             return refused_held(verdict, waiter.reason or verdict.reason, waiter.retry_ms)
         until = waiter.until
@@ -129,6 +129,14 @@ class Holding:
             answer = refused_held(held.last, Reason.QUEUE_DEADLINE,
                                   predicted_wait_ms(None, queue.held_ms, replicas))
         return dataclasses.replace(answer, held_ms=(self._clock() - arrived) * 1000.0)
+
+    @staticmethod
+    def _displaced(waiter: Waiter, refused: Refused) -> None:
+        """A held request a higher priority took the place of (``extproc.defer.enter``)."""
+        held: _Held = waiter.payload
+        if not held.answer.done():
+            held.answer.set_result(refused_held(held.last, refused.reason or Reason.QUEUE_FULL,
+                                                refused.retry_ms))
 
     def released(self, pool: str) -> None:
         """Capacity may have come back: a pass now, if anything is held."""

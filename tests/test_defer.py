@@ -77,6 +77,10 @@ def test_bounds_per_pool_and_per_tenant() -> None:
     assert queue.full("a") and not queue.full("b")
     queue.push(waiter("b0", tenant="b"))
     assert queue.full("b") and queue.full(None)
+    untenanted = Queue(max_waiting=3, max_waiting_per_tenant=1)
+    untenanted.push(waiter("x"))
+    untenanted.push(waiter("y"))
+    assert not untenanted.full(None)  # without tenants, only the pool's bound
 
 
 def test_remove_and_sent_take_it_out_once() -> None:
@@ -107,6 +111,19 @@ def test_while_a_higher_band_is_held_nothing_lower_is_decided_or_sent() -> None:
     assert [w.key for w in queue.pass_order()] == ["high"]  # the lower band waits its turn
     queue.sent(high)
     assert [w.key for w in queue.pass_order()] == ["low"] and not queue.blocks(-1)
+
+
+def test_a_full_queue_gives_a_higher_band_the_place_of_the_worst_ranked_lower_one() -> None:
+    queue = Queue(max_waiting=3, max_waiting_per_tenant=2)
+    for w in (waiter("a-soon", priority=-1, tenant="a", due=1.0),
+              waiter("b-late", priority=-1, tenant="b", due=9.0),
+              waiter("a-std", priority=0, tenant="a", due=2.0)):
+        queue.push(w)
+    assert queue.full("c") and queue.full("a")
+    assert [w.key for w in [queue.displaceable(1, "c")] if w] == ["b-late"]  # the pool's bound
+    assert [w.key for w in [queue.displaceable(1, "a")] if w] == ["a-soon"]  # a's own bound
+    assert queue.displaceable(-1, "c") is None  # nothing lower than sheddable
+    assert [w.key for w in [queue.displaceable(0, "c")] if w] == ["b-late"]
 
 
 def test_the_work_ahead_counts_higher_bands_and_earlier_deadlines() -> None:
@@ -198,6 +215,37 @@ async def test_a_full_queue_refuses_with_queue_full() -> None:
     await gate.settle(sent.ticket)
 
 
+async def test_a_critical_request_takes_a_full_queues_place_from_a_sheddable_one() -> None:
+    """The pool holds all it may, sheddable requests: a critical arrival is held in the place
+    of the one due last, which gets its 429 ``queue_full`` at once; a sheddable arrival is
+    refused."""
+    gate = gate_for({"priority": {"header": "x-priority"}}, max_waiting=2)
+    route = gate.config.route(PATH)
+    assert route is not None
+    first = await check(gate, 1000)
+
+    def ask(level: str) -> asyncio.Task[Verdict]:
+        return asyncio.create_task(gate.check(route, PATH, {"x-priority": level}, body(1000)))
+
+    early = ask("sheddable")
+    await until_held(gate, 1)
+    late = ask("sheddable")
+    await until_held(gate, 2)
+    refused = await asyncio.wait_for(ask("sheddable"), 2)
+    assert (refused.outcome, refused.reason) == (Outcome.REJECT, Reason.QUEUE_FULL)
+    critical = ask("critical")
+    displaced = await asyncio.wait_for(late, 2)
+    assert (displaced.outcome, displaced.reason) == (Outcome.REJECT, Reason.QUEUE_FULL)
+    assert not early.done() and not critical.done() and len(gate.holding.queues["llama"]) == 2
+    assert first.ticket is not None
+    await gate.settle(first.ticket)
+    sent = await asyncio.wait_for(critical, 2)
+    assert sent.ticket is not None and not early.done()
+    gate.holding.refuse_all()
+    await early
+    await gate.settle(sent.ticket)
+
+
 async def test_a_client_that_leaves_while_held_leaves_the_queue_and_the_ledger() -> None:
     gate = gate_for()
     first = await check(gate, 1000)
@@ -239,6 +287,20 @@ async def test_drain_answers_every_held_request_at_once() -> None:
     assert (await gate.ledger.snapshot("llama")).inflight == 0
 
 
+async def one_then_the_other(gate: Gate, first: Verdict, high: asyncio.Task[Verdict],
+                             low: asyncio.Task[Verdict]) -> tuple[Verdict, Verdict]:
+    """``first`` ends: ``high`` is sent (``low`` still held); it ends: ``low`` is sent."""
+    assert first.ticket is not None
+    await gate.settle(first.ticket)
+    sent = await asyncio.wait_for(high, 2)
+    assert sent.ticket is not None and not low.done()
+    await gate.settle(sent.ticket)
+    after = await asyncio.wait_for(low, 2)
+    assert after.ticket is not None
+    await gate.settle(after.ticket)
+    return sent, after
+
+
 async def test_a_higher_priority_held_later_is_sent_first() -> None:
     gate = gate_for({"priority": {"header": "x-priority"}})
     first = await check(gate, 1000)
@@ -248,15 +310,9 @@ async def test_a_higher_priority_held_later_is_sent_first() -> None:
     await until_held(gate, 1)
     high = asyncio.create_task(gate.check(route, PATH, {"x-priority": "critical"}, body(100)))
     await until_held(gate, 2)
-    assert first.ticket is not None
-    await gate.settle(first.ticket)
-    sent = await asyncio.wait_for(high, 2)
-    assert sent.ticket is not None
-    await gate.settle(sent.ticket)
-    after = await asyncio.wait_for(low, 2)
-    assert after.ticket is not None and sent.ticket.started <= after.ticket.started
-    assert sent.held_ms < after.held_ms
-    await gate.settle(after.ticket)
+    sent, after = await one_then_the_other(gate, first, high, low)
+    assert sent.ticket is not None and after.ticket is not None
+    assert sent.ticket.started <= after.ticket.started and sent.held_ms < after.held_ms
 
 
 
@@ -279,14 +335,8 @@ async def test_a_lower_priority_that_fits_is_held_while_a_higher_one_waits() -> 
     await until_held(gate, 2)
     await asyncio.sleep(0.1)  # passes come and go: it stays held
     assert not low.done() and not high.done()
-    assert first.ticket is not None
-    await gate.settle(first.ticket)
-    sent = await asyncio.wait_for(high, 2)
-    assert sent.ticket is not None
-    await gate.settle(sent.ticket)
-    after = await asyncio.wait_for(low, 2)
-    assert after.ticket is not None and after.held_ms > 100
-    await gate.settle(after.ticket)
+    _, after = await one_then_the_other(gate, first, high, low)
+    assert after.held_ms > 100
     assert (await gate.ledger.snapshot("llama")).inflight == 0
 
 

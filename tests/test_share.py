@@ -3,12 +3,14 @@ them (extproc.step), and what they do to simulated traffic (extproc.sim)."""
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from extproc import config as config_mod
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.config import TenantConfig
+from extproc.contention import _kept
 from extproc.learning import learning_for
 from extproc.share import (
     CRITICAL,
@@ -114,6 +116,30 @@ def test_a_lower_priority_leaves_room_for_the_higher_one_s_expected_arrivals() -
                 60.0)
     assert top.outcome is Outcome.ADMIT
     assert top.groups == ("p:1", "t:t")
+
+
+def test_a_flood_of_refused_sheddable_requests_keeps_no_more_room_for_critical_ones() -> None:
+    """The room a standard request leaves to critical arrivals is sized on the pool's
+    departures: what runs (the ledger's count per priority over its time in flight), never
+    what asks. Sheddable requests arriving at 50 a second, none admitted, change nothing
+    (before, their arrivals weighed the pool's time in flight with this request's own
+    predicted one, 20 s here against the 2 s measured: 3 places kept became 101)."""
+    config = settings()
+    learning = learning_for(config.pools[0])
+    for i in range(600):
+        now = i * 0.1
+        for group in ("p:0",) + (("p:1",) if i % 2 == 0 else ()):
+            flow = learning.flow(group)
+            flow.arrived(now)
+            flow.served(2.0, now)
+    snapshot = Snapshot(60, 60 * 1500.0, 60 * 800,
+                        groups={"p:0": (50, 50 * 1500.0), "p:1": (10, 10 * 1500.0)})
+    horizon = SimpleNamespace(completion_ms=20_000.0)  # this request's predicted time
+    calm = _kept(["p:1"], horizon, learning, snapshot, 64, 0.0, 1.0, 60.0)
+    for i in range(3000):
+        learning.flow("p:-1").arrived(i * 0.02)
+    assert _kept(["p:1"], horizon, learning, snapshot, 64, 0.0, 1.0, 60.0) == calm
+    assert 0 < calm < 10  # five critical arrivals a second, 32 departures at the limit
 
 
 def test_a_tenant_at_its_cap_is_refused_on_the_snapshot_and_the_cap_goes_to_the_ledger() -> None:

@@ -568,6 +568,33 @@ LONG_BUDGET = 24_000  # requests a long family's run holds at load 1 (size 1), a
 LONG_FLOOR_S = 900.0  # ... but never shorter than this
 
 
+FLOOD_SPAN_S, FLOOD_FROM_S, FLOOD_TO_S = 960.0, 180.0, 780.0
+
+
+def sheddable_flood(seed: int, load: float, fleet: str | Fleet, flood: bool = True) -> Drawn:
+    """Issue 28's flood, not a family of the matrix (what it measures is each priority's
+    goodput beside the flood against alone, ``benchmarks/flood.py``): the priority family's
+    chat traffic, critical at 0.3x and standard at 0.5x of capacity for 16 minutes, and
+    (``flood``) sheddable at ``load`` x capacity from minute 3 to minute 13."""
+    shape = FLEETS[fleet] if isinstance(fleet, str) else fleet
+    d = _Draws("priority", seed)
+    prompt, output = _chat_lengths(d)
+    classes = _chat_class(d)
+    clients = ClientModel(timeout_s=d.uniform("timeout_s", 45, 120))
+    cap = shape.capacity_rps(_probe("priority", seed, prompt, output, 1024))
+    rng = random.Random(f"sheddable-flood/{seed}")
+    parts = [(CRITICAL, 0.3, 0.0, FLOOD_SPAN_S), (STANDARD, 0.5, 0.0, FLOOD_SPAN_S)]
+    if flood:
+        parts.append((SHEDDABLE, load, FLOOD_FROM_S, FLOOD_TO_S))
+    jobs = []
+    for level, share, start, end in parts:
+        arrivals = [start + t for t in poisson_arrivals(share * cap, end - start, rng)]
+        jobs += [dataclasses.replace(j, priority=level)
+                 for j in _jobs(arrivals, rng, prompt, output, 1024)]
+    return _scenario("sheddable-flood", seed, load, shape, jobs, classes, clients, True,
+                     d.params)
+
+
 def _long_span(d: _Draws, rate: float, size: float) -> float:
     """A long family's run (latching shows over tens of minutes): U(40, 50) min, shortened
     only where it would hold more than ``LONG_BUDGET x size`` requests at load 1, never under

@@ -580,12 +580,17 @@ class Simulation:
         tenant = a.ask.tenant
         weight = self.config.tenant.policy(tenant).weight if tenant is not None else 1.0
         waiter = enter(self.queue, adm, tenant, weight, arrived=a.arrival, now=self.now,
-                       replicas=len(self.ready), payload=a)
+                       replicas=len(self.ready), payload=a, displaced=self._displaced)
         if isinstance(waiter, Refused):
             return waiter
         a.outcome = "held"
         self._push(waiter.until, _EXPIRE, waiter)
         return None
+
+    def _displaced(self, waiter: Waiter, refused: Refused) -> None:
+        """A held request a higher priority took the place of: its 429 (``queue_full``)."""
+        self.result.would_reject += 1
+        self._reject(waiter.payload, refused.retry_ms)
 
     def _reject(self, a: Attempt, retry_ms: float | None) -> None:
         """A 429: the client retries after its Retry-After, or gives up."""
