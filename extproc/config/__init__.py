@@ -187,9 +187,10 @@ class DeferConfig:
     """Hold a request that does not fit now but would after the predicted wait, instead of a
     429 at once; Envoy's ext_proc max_message_timeout is then the longest class deadline."""
     max_waiting: Annotated[Int, within(ge=1)] = 256
-    """Requests one pool holds at most; beyond, 429 queue_full."""
+    """Requests one pool holds at most; beyond, a higher priority takes a lower one's place
+    (429 queue_full to it), else 429 queue_full."""
     max_waiting_per_tenant: Annotated[Int, within(ge=1)] = 64
-    """... and one tenant's at most."""
+    """... and one tenant's at most (with tenants attributed)."""
 
 
 @dataclass(frozen=True, config=MODEL)
