@@ -11,7 +11,6 @@ admitted one is settled.
 - ``released``: a request ended: a pass now; else one every ``RECHECK_S`` while anything is
   held (other gateways' releases, replicas added, time itself).
 - ``refuse_all``: the drain answers every held request with a 429 at once.
-
 - ``blocks``: a higher band than a request's is held, so it is not sent (``extproc.defer``).
 
 The highest band a pool holds is published to the ledger (``Ledger.wait``) when a request is
@@ -81,9 +80,8 @@ class Holding:
 
     async def first(self, pool: str) -> None:
         """An arrival: what ``pool`` holds has its turn first."""
-        lock = self._passes.get(pool)  # made with the pool's dispatcher
-        if self.queues[pool] and lock is not None:
-            async with lock:
+        if self.queues[pool]:
+            async with self._passes[pool]:
                 await self._pass(pool)
 
     async def hold(self, pool: str, ask: Ask, verdict: Verdict, arrived: float,
