@@ -193,8 +193,8 @@ class Queue:
         """The held requests one pass decides again, in order: the first ``PASSED_OVER`` of
         the highest band (module docstring). A list: the pass changes the queue as it goes."""
         top = self.highest()
-        return list(itertools.islice((w for w in self.order() if w.priority == top),
-                                     PASSED_OVER))
+        band = itertools.takewhile(lambda w: w.priority == top, self.order())
+        return list(itertools.islice(band, PASSED_OVER))
 
     def highest(self) -> int | None:
         """The highest priority band held (None: nothing held)."""
@@ -268,9 +268,11 @@ def enter(queue: Queue, adm: Admission, tenant: str | None, weight: float, *, ar
     assert adm.decision is not None
     full = Refused(Reason.QUEUE_FULL,
                    predicted_wait_ms(adm.retry_after_ms, queue.held_ms, replicas))
-    victim = queue.displaceable(adm.priority, tenant) if queue.full(tenant) else None
-    if queue.full(tenant) and victim is None:
-        return full
+    victim = None
+    if queue.full(tenant):
+        victim = queue.displaceable(adm.priority, tenant)
+        if victim is None:
+            return full
     until = arrived + hold_s(adm.policy, adm.alone_ms, adm.first_alone_ms)
     due = arrived + adm.policy.deadline_ms / 1000.0
     wait_ms = predicted_wait_ms(None, queue.ahead_ms(adm.priority, due), replicas)
