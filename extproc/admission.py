@@ -137,6 +137,7 @@ class Outcome(StrEnum):
 class Reason(StrEnum):
     FITS = "fits"
     MEASURED = "measured"  # refused by the model, admitted by the measured level (extproc.level)
+    IDLE = "idle"  # refused by the model, admitted: an engine reports a replica with nothing to do
     DEADLINE = "deadline"  # predicted completion past the deadline budget
     TTFT = "ttft"  # predicted first token past the TTFT budget
     NO_CAPACITY = "no_capacity"  # no ready replica, or no free slot for a batch request

@@ -39,6 +39,17 @@ the engines and ``L`` the ledger's in-flight count:
 
 It only ever adds work: engines holding fewer requests than the ledger (requests still on the
 wire) never loosen admission.
+
+The request's own replica. An endpoint picker in front of the gateway (the Gateway API
+Inference Extension's EPP, llm-d's router) names the replica it chose for each request in
+Envoy's dynamic metadata (``envoy.lb`` / ``x-gateway-destination-endpoint``, ``host:port``;
+clients cannot write metadata, unlike the header it also sets). When that replica's engine
+reported nothing running and nothing waiting, in a fresh sample taken after the last request
+this gateway sent it (``EngineStats.sent``), the correction says so (``idle``): the step then
+admits what the model refused for the pool as a whole (``extproc.level.measured``). One
+request per report: the next sees the replica busy, or waits for the next scrape. The one way
+the engines loosen admission, and only where the report is about the very replica the request
+is going to.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ import dataclasses
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -60,6 +72,9 @@ from extproc.capacity import cancel_all
 from extproc.config import Pool
 
 log = logging.getLogger(__name__)
+
+DESTINATION_NAMESPACE = "envoy.lb"  # the endpoint picker protocol's metadata (module docstring)
+DESTINATION_KEY = "x-gateway-destination-endpoint"
 
 WAITING = ("vllm:num_requests_waiting", "tgi_queue_size")
 RUNNING = ("vllm:num_requests_running", "tgi_batch_current_size")
@@ -98,6 +113,12 @@ class PoolStats:
     @property
     def total(self) -> int:
         return self.waiting + self.running
+
+
+def address(target: str) -> str:
+    """A target's ``host:port`` (a base URL's network location), as an endpoint picker names
+    the replica it chose."""
+    return urllib.parse.urlsplit(target).netloc if "://" in target else target.rstrip("/")
 
 
 def parse(text: str) -> EngineSample:
@@ -174,6 +195,7 @@ class Correction:
 
     extra_inflight: int = 0
     extra_ms: float = 0.0
+    idle: bool = False  # the request's own replica has nothing to do (module docstring)
 
     def apply(self, snapshot: Snapshot) -> Snapshot:
         if not self.extra_inflight:
@@ -238,6 +260,7 @@ class EngineStats:
         self._lengths: dict[str, dict[str, Cumulative]] = {}  # pool -> target -> last buckets
         self.on_lengths = on_lengths  # called once per round with the outputs finished since
         self._errors: dict[str, str] = {}  # target -> last error, for logs and debugging
+        self._sent: dict[str, dict[str, float]] = {}  # pool -> target -> last request sent
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -269,9 +292,11 @@ class EngineStats:
                 await session.close()
         now = self._clock()
         known = self._samples.setdefault(pool, {})
+        sent = self._sent.get(pool, {})
         for target in list(known):
             if target not in targets:
                 del known[target]  # a replica that left the pool
+                sent.pop(target, None)
         for target, sample in zip(targets, results, strict=True):
             if sample is not None:
                 known[target] = (now, sample)
@@ -299,6 +324,23 @@ class EngineStats:
         targets = len(list(self._targets(pool)))
         return aggregate(known.values(), targets, self._clock(), max_age_s=self.max_age_s,
                          min_coverage=self.min_coverage)
+
+    def idle(self, pool: str, destination: str) -> bool:
+        """Whether ``destination`` (``host:port``) is a target of ``pool`` whose fresh sample
+        shows nothing running and nothing waiting, taken after the last ``sent`` to it."""
+        now = self._clock()
+        for target, (at, sample) in self._samples.get(pool, {}).items():
+            if address(target) == destination:
+                return (now - at <= self.max_age_s and not sample.running
+                        and not sample.waiting
+                        and at > self._sent.get(pool, {}).get(target, -math.inf))
+        return False
+
+    def sent(self, pool: str, destination: str) -> None:
+        """A request is on its way to ``destination``: its last sample is out of date."""
+        for target in self._samples.get(pool, {}):
+            if address(target) == destination:
+                self._sent.setdefault(pool, {})[target] = self._clock()
 
     def errors(self) -> Mapping[str, str]:
         return dict(self._errors)

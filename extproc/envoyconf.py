@@ -163,6 +163,7 @@ from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 
 from extproc.config import Config, TenantConfig, TenantSource
+from extproc.enginestats import DESTINATION_NAMESPACE
 from extproc.request import REQUEST_TIME, forwarded_headers, header_attribute
 from extproc.responses import ADMISSION_NAMESPACE
 
@@ -411,7 +412,7 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
             # sends a filter's attributes with a stream's first message and ignores a
             # route's own list
             request_attributes=_attributes(config) if one_trip else [],
-            metadata_options=_metadata_options(config.tenant),
+            metadata_options=_metadata_options(config),
             processing_mode=_processing_mode(doc, _HEADER.SEND),
         ), "failure_mode_allow")))
     hcm = doc.explicit(HttpConnectionManager(
@@ -585,12 +586,17 @@ def _overload_manager(doc: _Doc) -> OverloadManager:
     )])
 
 
-def _metadata_options(tenant: TenantConfig) -> MetadataOptions:
+def _metadata_options(config: Config) -> MetadataOptions:
     """What the sidecar writes back: its verdict in ``ADMISSION_NAMESPACE``
     (``responses.verdict_metadata``), read by the access log. With ``tenant.source:
     metadata``, Envoy also forwards that namespace (e.g. the JWT payload jwt_authn wrote) on
-    each ext_proc message; nothing else is forwarded."""
+    each ext_proc message; with a pool's ``engine_metrics.idle_destination``, the endpoint
+    picker's (``extproc.enginestats``: the replica it chose); nothing else is forwarded."""
+    tenant = config.tenant
     forwarded = ([tenant.metadata_namespace] if tenant.source is TenantSource.METADATA else [])
+    if any(p.engine_metrics is not None and p.engine_metrics.idle_destination
+           for p in config.pools):
+        forwarded.append(DESTINATION_NAMESPACE)
     return MetadataOptions(
         forwarding_namespaces=(MetadataOptionsMetadataNamespaces(untyped=forwarded)
                                if forwarded else None),

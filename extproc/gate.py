@@ -187,16 +187,19 @@ class Gate:
     async def check(self, route: Route, path: str, headers: Mapping[str, str],
                     body: bytes, trace: Mapping[str, str] | None = None,
                     tenant: Tenant | None = None,
-                    on_hold: Callable[[float], None] | None = None) -> Verdict:
+                    on_hold: Callable[[float], None] | None = None,
+                    destination: str | None = None) -> Verdict:
         """Decide one request. ``trace``: the gRPC call's W3C trace context (Envoy's span);
         ``tenant``: who is charged, as the server resolved it from what Envoy vouches for;
         ``on_hold``: told the longest it may be held (seconds) when the gate holds it
-        (``extproc.defer``), before it waits."""
+        (``extproc.defer``), before it waits; ``destination``: the replica an endpoint picker
+        chose for it, from Envoy's metadata (``extproc.enginestats``)."""
         with self.tracing.span(trace or {}, headers) as span:
             started = time.perf_counter()
             self.pricing.deciding += 1  # where prompts are counted (extproc.pricing)
             try:
-                verdict = await self._check(route, path, headers, body, tenant, on_hold)
+                verdict = await self._check(route, path, headers, body, tenant, on_hold,
+                                            destination)
             finally:
                 self.pricing.deciding -= 1
             if verdict.tenant is not tenant:  # a refusal before the decision
@@ -217,7 +220,8 @@ class Gate:
 
     async def _check(self, route: Route, path: str, headers: Mapping[str, str],
                      body: bytes, tenant: Tenant | None = None,
-                     on_hold: Callable[[float], None] | None = None) -> Verdict:
+                     on_hold: Callable[[float], None] | None = None,
+                     destination: str | None = None) -> Verdict:
         cls = route.service_class
         try:
             deadline = deadline_ms(headers, self.config.deadline_header)
@@ -238,7 +242,7 @@ class Gate:
             return invalid(exc, pool.name, cls)
         who = tenant.name if tenant is not None else None
         ask = dataclasses.replace(ask, tenant=who, priority=priority_of(
-            self.config, cls, who, self._stated_priority(headers)))
+            self.config, cls, who, self._stated_priority(headers)), destination=destination)
         arrived = self._clock()
         self.learning[pool.name].arrived(cls, self.config.classes[cls].batch, arrived,
                                          ask.prompt_tokens, ask.groups)
@@ -252,6 +256,8 @@ class Gate:
         if verdict.admission is not None:  # once per request, whatever was asked again
             adm = verdict.admission
             self.learning[pool.name].decided(adm.limit, adm.load_ms, self._clock())
+        if destination is not None and verdict.ticket is not None and stats is not None:
+            stats.sent(pool.name, destination)  # its engine's last report is out of date
         if uncounted is not None and verdict.ticket is not None and self.pricing.claim():
             verdict.ticket.correction = asyncio.create_task(
                 self._recount(verdict.ticket, request, pool, uncounted, ask, replicas))
@@ -280,11 +286,13 @@ class Gate:
             return (a.outcome, a.reason) != (b.outcome, b.reason)
         return close
 
-    def _engine_correction(self, pool: Pool, snapshot: Snapshot,
-                           engines: PoolStats | None) -> Correction:
+    def _engine_correction(self, pool: Pool, snapshot: Snapshot, engines: PoolStats | None,
+                           destination: str | None = None) -> Correction:
         """The work the pool's engines hold that the ledger does not know about
         (``extproc.enginestats.correction``; nothing while their scrapes are stale). An unseen
-        request is charged the ledger's mean, or the pool's mean request on an empty ledger."""
+        request is charged the ledger's mean, or the pool's mean request on an empty ledger.
+        And whether the replica an endpoint picker chose for the request, ``destination``,
+        has nothing to do (``EngineStats.idle``)."""
         settings = pool.engine_metrics
         if engines is None or settings is None:
             return NO_CORRECTION
@@ -294,6 +302,10 @@ class Gate:
                                                                     mix.output_tokens),
                          tolerance=settings.tolerance, slack=settings.slack)
         self.metrics.engine_correction.labels(pool.name).set(fix.extra_inflight)
+        stats = self.engines.get(pool.name)
+        if (destination is not None and settings.idle_destination and stats is not None
+                and stats.idle(pool.name, destination)):
+            fix = dataclasses.replace(fix, idle=True)
         return fix
 
     async def _recount(self, ticket: Ticket, request: InferenceRequest, pool: Pool,
@@ -358,7 +370,7 @@ class Gate:
                     current = sent_at >= began
                     leases.saw(pool.name, snapshot, sent_at)
                     self.metrics.groups(pool.name, snapshot, ask.groups, self._labels.label)
-                    fix = self._engine_correction(pool, snapshot, engines)
+                    fix = self._engine_correction(pool, snapshot, engines, ask.destination)
                     verdict = self._verdict(admit(ask, pool, self.config, learning, snapshot,
                                                   replicas, self._clock(), fix), pool.name)
                     if not current and not (verdict.enforced
@@ -444,7 +456,7 @@ class Gate:
         self.leases.away(exc, on_unavailable)
         self.metrics.ledger_fallbacks.labels(pool.name, on_unavailable.value).inc()
         local = self.leases.local(pool.name)
-        fix = self._engine_correction(pool, local, engines)
+        fix = self._engine_correction(pool, local, engines, ask.destination)
         verdict = self._verdict(admit(ask, pool, self.config, self.learning[pool.name], local,
                                       replicas, self._clock(), fix), pool.name)
         if on_unavailable is OnUnavailable.FAIL_CLOSED and verdict.outcome is not Outcome.INVALID:

@@ -151,11 +151,21 @@ MEASURABLE = (Reason.DEADLINE, Reason.TTFT, Reason.KV_CACHE)  # what the level o
 
 
 def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capacity,
-             level: Level, left: float = 1.0) -> Decision | None:
+             level: Level, left: float = 1.0, idle: bool = False) -> Decision | None:
     """The model refused a feasible request (``MEASURABLE``); it is admitted (``MEASURED``)
     if a replica has a free slot for it (its sequence limit and its KV cache) and either a
     replica has nothing to do or the pool's work, with it, is within the measured level. The
     ledger's atomic checks: that work and those slots. None: it stays as decided.
+
+    ``idle``: the replica the request goes to has nothing to do, as its own engine reported
+    after the last request this gateway sent there (``extproc.enginestats``: an endpoint
+    picker in front of the gateway named it). Then it is admitted (``IDLE``) if it fits that
+    replica's KV cache alone, whatever the pool as a whole holds: the ledger sees the pool's
+    work and KV only in sum, and behind a prefix-aware router, which keeps sessions on the
+    replica holding their history, one replica can empty while the sum reads full; refusing
+    its sessions then keeps it empty (measured: agentic/70b-vllm refused work an idle replica
+    would have done in 27-35 % of the run). No ledger check: the engine's report is the
+    check, and one request per report is what it covers.
 
     ``left``: the share of its budget a request the gateway held still has
     (``extproc.defer``). What the level saw served in time had its whole deadline; work
@@ -163,6 +173,10 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     if decision.reason not in MEASURABLE:
         return None
     n, replicas = snapshot.inflight, capacity.replicas
+    if idle and cost.kv <= (capacity.engine.kv_tokens or math.inf):  # (0: not bounded)
+        return dataclasses.replace(
+            decision, outcome=Outcome.ADMIT, reason=Reason.IDLE, retry_after_ms=None,
+            ceiling_ms=None, max_inflight=None)
     free = replicas * capacity.batch_with(snapshot, cost)
     work = snapshot.outstanding_ms + decision.service_ms
     room = level.level_ms * replicas * min(1.0, max(0.0, left))

@@ -87,7 +87,7 @@ from extproc.capacity import (
 )
 from extproc.config import Config, ContentEncoding, Route
 from extproc.control import Control
-from extproc.enginestats import EngineStats, Targets
+from extproc.enginestats import DESTINATION_KEY, DESTINATION_NAMESPACE, EngineStats, Targets
 from extproc.errors import BodyTooLarge, LedgerUnavailable, RequestError
 from extproc.gate import Gate
 from extproc.keda import ExternalScaler
@@ -116,6 +116,7 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 LEDGER_SERVICE = "extproc.ledger"
 LEDGER_PROBE_S = 0.25
 DRAIN_IDLE_S = 2.0
+MAX_DESTINATION_CHARS = 256  # a host:port is far shorter: anything longer is cut, not kept
 
 
 def build_ledger(config: Config, metrics: Metrics) -> Ledger:
@@ -175,12 +176,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             headers: Mapping[str, str] | None = None  # None: none came (one trip)
             tenant: Tenant | None = None
+            destination: str | None = None  # the replica an endpoint picker chose
             answered = time.monotonic()  # when we last answered Envoy
             async for message in requests:
                 phase = message.WhichOneof("request")
                 if phase == "request_headers" and not decided:
                     headers = header_map(message.request_headers)
                     tenant = self._tenant(message, headers)
+                    destination = destination_of(message)
                     answer, verdict = await self._on_headers(message.request_headers, headers,
                                                              tenant=tenant)
                 elif phase == "request_body" and not decided:
@@ -190,6 +193,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         tenant = self._tenant(message, headers)
                     else:
                         waited = time.monotonic() - answered
+                    destination = destination_of(message) or destination
                     self.backlog.add(waited)
                     self.gate.metrics.processor_wait.observe(waited)
                     trace = _trace_context(context) if self.gate.tracing.enabled else {}
@@ -199,7 +203,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     holds: asyncio.Queue[float] = asyncio.Queue()
                     body = asyncio.ensure_future(self._on_body(
                         message.request_body, headers, trace, tenant=tenant,
-                        one_trip=one_trip, on_hold=holds.put_nowait))
+                        one_trip=one_trip, on_hold=holds.put_nowait, destination=destination))
                     hold: asyncio.Future[float] | None = None
                     try:
                         while not body.done():
@@ -305,7 +309,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _on_body(
         self, message: pb.HttpBody, headers: Mapping[str, str], trace: Mapping[str, str], *,
         tenant: Tenant | None = None, one_trip: bool = False,
-        on_hold: Callable[[float], None] | None = None,
+        on_hold: Callable[[float], None] | None = None, destination: str | None = None,
     ) -> tuple[pb.ProcessingResponse, Verdict | None]:
         path = headers.get(":path", "")
         route = self.config.route(path)
@@ -325,7 +329,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         except RequestError as exc:
             return self._answer(self.gate.refuse(exc, route.service_class, tenant))
         return self._answer(await self.gate.check(route, path, headers, body, trace,
-                                                  tenant=tenant, on_hold=on_hold))
+                                                  tenant=tenant, on_hold=on_hold,
+                                                  destination=destination))
 
     def _coding(self, headers: Mapping[str, str]) -> encoding.Coding | None:
         return encoding.coding(headers.get("content-encoding"),
@@ -352,6 +357,20 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 def _ticket(verdict: Verdict | None) -> Ticket | None:
     return verdict.ticket if verdict is not None else None
+
+
+def destination_of(message: pb.ProcessingRequest) -> str | None:
+    """The replica an endpoint picker in front of us chose (``host:port``; of a list of
+    fallbacks, the first), from the metadata Envoy forwards (``extproc.enginestats``); never
+    from a header, which a client could send itself. None: there is none."""
+    metadata = message.metadata_context.filter_metadata
+    if DESTINATION_NAMESPACE not in metadata:
+        return None
+    fields = metadata[DESTINATION_NAMESPACE].fields
+    if DESTINATION_KEY not in fields or not fields[DESTINATION_KEY].HasField("string_value"):
+        return None
+    first = fields[DESTINATION_KEY].string_value.split(",", 1)[0].strip()
+    return first[:MAX_DESTINATION_CHARS] or None
 
 
 def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:

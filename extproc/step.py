@@ -87,6 +87,9 @@ class Ask:
     tenant: str | None = None  # who is charged (extproc.tenant); None: attribution off
     priority: int = 0  # its priority level (extproc.share)
     waited_ms: float = 0.0  # held this long by the gateway (extproc.defer): off its deadline
+    # The replica an endpoint picker in front of the gateway chose for it (``host:port``, from
+    # Envoy's metadata: ``extproc.enginestats``), if one did; the gate asks its engine.
+    destination: str | None = None
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -240,7 +243,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
     decision = decide(cost, snapshot, capacity, policy, now)
     if not policy.batch and ask.known_output_tokens is None:  # (the oracle needs no measuring)
         decision = measured(decision, cost, snapshot, capacity, learning.level,
-                            _left(whole, policy)) or decision
+                            _left(whole, policy), correction.idle) or decision
     outcome, reason = decision.outcome, decision.reason
     error: RequestError | None = None
     if reason is Reason.INFEASIBLE and ask.waited_ms > 0:
@@ -271,7 +274,8 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
     limit = 0
     if outcome in (Outcome.ADMIT, Outcome.PASS):
         changed = contention.at_cap(caps, decision, snapshot)
-        if changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas:
+        if (changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas
+                and decision.reason is not Reason.IDLE):
             # (while a replica has nothing to do, no room is kept: ``extproc.level``)
             changed, limit = contention.room_for_others(
                 ask.tenant, ask.priority, cost, decision, policy, config, learning, snapshot,
@@ -330,9 +334,11 @@ def running_of(adm: Admission, now: float) -> Running:
                    ttft_ms=d.ttft_ms if d else 0.0, step_ms=d.step_ms if d else 0.0,
                    chance=adm.chance, unavoidable=adm.unavoidable,
                    prompt_tokens=adm.cost.prompt_tokens,
-                   at_ms=adm.at_ms, level_ms=adm.level_ms if adm.outcome is Outcome.ADMIT else -1.0,
+                   at_ms=adm.at_ms,
+                   level_ms=(adm.level_ms if adm.outcome is Outcome.ADMIT
+                             and adm.reason is not Reason.IDLE else -1.0),
                    charge_ms=adm.charge_ms, alone=adm.alone,
-                   measured=adm.reason is Reason.MEASURED)
+                   measured=adm.reason in (Reason.MEASURED, Reason.IDLE))
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,

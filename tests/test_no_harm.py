@@ -9,6 +9,7 @@ quantile is the long answer, which the model says cannot finish beside others.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import pickle
@@ -18,6 +19,7 @@ import pytest
 
 from extproc import config as config_mod
 from extproc.admission import Outcome, Reason, Snapshot
+from extproc.enginestats import Correction
 from extproc.learning import PoolLearning, learning_for
 from extproc.level import BACKOFF, Level
 from extproc.share import CRITICAL, SHEDDABLE
@@ -202,6 +204,35 @@ def test_work_conservation_free_slots_at_a_measured_level_are_used() -> None:
     assert adm.ceiling_ms is not None and adm.ceiling_ms >= at(5 * R + 1, learning).outstanding_ms
     full = decide_at(learning, R * SLOTS, now)  # no free slot: the model's refusal stands
     assert full.outcome is Outcome.REJECT
+
+
+def test_work_conservation_a_request_whose_own_replica_is_idle_is_admitted() -> None:
+    """Behind a prefix-aware router one replica can empty while the pool's sum reads full
+    (every slot taken): a request whose replica, named by the endpoint picker, reports nothing
+    to do is admitted anyway, without the ledger's checks (the engine's report is the check),
+    and is no evidence for the measured level: it ran where the pool's load was not."""
+    learning = strictest()
+    full = at(R * SLOTS, learning)
+    refused = admit(ask(), POOL, CONFIG, learning, full, R, 0.0)
+    assert refused.outcome is Outcome.REJECT
+    idle = admit(ask(), POOL, CONFIG, learning, full, R, 0.0, Correction(idle=True))
+    assert (idle.outcome, idle.reason) == (Outcome.ADMIT, Reason.IDLE)
+    assert (idle.ceiling_ms, idle.max_inflight) == (None, None)
+    assert admit(ask(CRITICAL), POOL, CONFIG, learning, full, R, 0.0,
+                 Correction(idle=True)).reason is Reason.IDLE
+    # longer than one replica's KV cache: no idle replica can take it
+    small = dataclasses.replace(POOL, engine=dataclasses.replace(
+        POOL.engine, num_gpu_blocks=64, block_size=16))  # 1,024 tokens
+    assert admit(ask(), small, CONFIG, learning, full, R, 0.0,
+                 Correction(idle=True)).outcome is Outcome.REJECT
+
+    running = running_of(idle, 0.0)
+    learning.admitted(idle.service_class, idle.cost.prompt_tokens, now=0.0, key="idle",
+                      expected_s=1.0, running=running)
+    learning.settled(idle.service_class, batch=False, seconds=1.0, deadline_s=DEADLINE_S,
+                     completed=True, unavoidable=idle.unavoidable, now=1.0, key="idle")
+    learning.refresh(2 * DEADLINE_S)
+    assert learning.level.level_ms == 0.0
 
 
 def test_recovery_from_the_strictest_state_in_a_few_deadlines() -> None:

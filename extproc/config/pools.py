@@ -95,6 +95,10 @@ class EngineMetricsConfig:
     """... plus this many requests, before the excess counts as work the ledger does not see."""
     learn_output_lengths: Flag = True
     """Learn the pool's output lengths from vllm:request_generation_tokens."""
+    idle_destination: Flag = True
+    """Admit a request the model refuses when the replica an endpoint picker before ext_proc
+    chose for it (Envoy metadata envoy.lb, x-gateway-destination-endpoint) reports nothing
+    running or waiting."""
 
     @model_validator(mode="after")
     def _samples_outlive_a_round(self) -> Self:

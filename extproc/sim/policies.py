@@ -75,6 +75,7 @@ class EngineView:
 
     waiting: tuple[int, ...] = ()
     kv_usage: tuple[float, ...] = ()
+    running: tuple[int, ...] = ()
     age_s: float = 0.0
 
 

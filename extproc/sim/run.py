@@ -39,6 +39,7 @@ from extproc.admission import Outcome, Policy, Reason, Snapshot
 from extproc.config import Config, Pool, TenantSource
 from extproc.defer import DEFERRABLE, Queue, Refused, Waiter, enter
 from extproc.engine import EngineModel
+from extproc.enginestats import Correction
 from extproc.learning import PoolLearning
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
@@ -295,6 +296,7 @@ class Simulation:
         self._view = EngineView()
         self._prefill_rate = 0.0  # the last step decision's (the backlog's drain)
         self._view_at = -INF
+        self._sent_at: dict[int, float] = {}  # replica -> when the gateway last sent it a request
         self._affinity: dict[str, Replica] = {}  # prefix key -> the replica of its last turn
         self._refused_idle_at = -1  # the last second counted in ``refused_idle_s``
         # Every client waits the same timeout, so timeouts come due in the order they were
@@ -497,7 +499,14 @@ class Simulation:
         snapshot = self.ledger.snapshot(pool.name)
         adm = None
         if self.policy.uses_step:
-            adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now)
+            view = self._engine_view(now)
+            routed = self._routed(job.prefix_key)
+            i = self.ready.index(routed) if routed is not None else -1
+            idle = (i >= 0 and i < len(view.running) and not view.running[i]
+                    and not view.waiting[i]
+                    and self._view_at > self._sent_at.get(id(routed), -INF))
+            adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now,
+                        Correction(idle=idle))
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
                 adm = _refused(adm, Reason.PRIORITY)  # a higher band is held (extproc.defer)
             outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
@@ -572,6 +581,7 @@ class Simulation:
         target = self.target(job.prefix_key)
         assert target is not None
         target.submit(a, now)
+        self._sent_at[id(target)] = now
         self._timeouts.append((now + self.scenario.clients.timeout_s, a))
 
     def _hold(self, a: Attempt, adm: Admission) -> Refused | None:
@@ -624,6 +634,7 @@ class Simulation:
             kv_total = self.scenario.engine.num_gpu_blocks
             view = self._view = EngineView(
                 waiting=tuple(len(r.sched.waiting) for r in self.ready),
+                running=tuple(len(r.sched.running) for r in self.ready),
                 kv_usage=tuple(r.sched.kv_used_blocks / kv_total if kv_total else 0.0
                                for r in self.ready))
             self._view_at = now
