@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc import config, envoyconf
 from extproc.enginestats import DESTINATION_KEY, DESTINATION_NAMESPACE
 from extproc.ledger import Entry
 from extproc.server import destination_of
-from extproc_dev.stack import Process
 from tests.extproc_client import Stream, body, chat, headers, serving
 from tests.test_engine_correction import (
     bypassing,
@@ -76,7 +76,14 @@ async def ask(stub: Any, message: pb.ProcessingRequest, **header: str) -> pb.Pro
 async def test_a_request_for_an_idle_replica_is_admitted_once_per_report(
         replicas: tuple[str, str]) -> None:
     idle, busy = replicas
-    async with bypassing(busy, 2), serving(settings([idle, busy])) as (svc, stub):
+    async with bypassing(busy, 2):
+        # the busy engine holds both before the gateway's one scrape reads it
+        await until(lambda: metric(f"http://{busy}/metrics", "vllm:num_requests_running"), 1)
+        await serve_with_a_busy_and_an_idle_replica(idle, busy)
+
+
+async def serve_with_a_busy_and_an_idle_replica(idle: str, busy: str) -> None:
+    async with serving(settings([idle, busy])) as (svc, stub):
         for i in range(4):  # 800 s of work the ledger knows of, none of it on an engine
             await svc.gate.ledger.reserve(Entry(f"other-{i}", "llama", 200_000.0, 600_000.0))
         url = gateway(svc)
@@ -123,3 +130,18 @@ def test_the_destination_comes_only_from_the_pickers_metadata() -> None:
     odd.metadata_context.filter_metadata[DESTINATION_NAMESPACE].update({DESTINATION_KEY: 7})
     assert destination_of(odd) is None  # not a string: no pick
     assert destination_of(picked(body(chat(100)), "")) is None
+
+
+def test_envoy_forwards_the_pickers_namespace_only_when_a_pool_reads_it() -> None:
+    def forwarded(section: dict[str, Any]) -> Any:
+        c = config.from_mapping({"pools": [
+            {"name": "llama", "replicas": 2,
+             "engine_metrics": {"targets": ["10.0.0.7:8000"], **section}}]})
+        doc = envoyconf.bootstrap(c, envoyconf.Topology())
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"]
+        ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+        return ext["typed_config"]["metadata_options"].get("forwarding_namespaces")
+
+    assert forwarded({}) == {"untyped": [DESTINATION_NAMESPACE]}
+    assert forwarded({"idle_destination": False}) is None
