@@ -142,6 +142,24 @@ def test_a_flood_of_refused_sheddable_requests_keeps_no_more_room_for_critical_o
     assert 0 < calm < 10  # five critical arrivals a second, 32 departures at the limit
 
 
+def test_no_room_is_kept_for_a_priority_there_is_no_evidence_of() -> None:
+    """The room kept for the limit's own swing is for protected arrivals that may come while
+    the request runs: with none in evidence (one critical request, long ago), nothing is kept
+    however far the limit swings (before, two deviations of it were kept regardless: 47 of a
+    limit of 21 places while a fresh 16-slot pool learned its limit, refusing standard and
+    sheddable traffic alike with no critical request in sight)."""
+    config = settings()
+    learning = learning_for(config.pools[0])
+    learning.flow("p:1").arrived(0.0)
+    learning.flow("p:0").arrived(0.0)
+    snapshot = Snapshot(20, 20 * 1500.0, 20 * 800, groups={"p:0": (20, 20 * 1500.0)})
+    horizon = SimpleNamespace(completion_ms=20_000.0)
+    assert _kept(["p:1"], horizon, learning, snapshot, 21, 20.0, 1.0, 600.0) == 0
+    for i in range(600):  # critical arrivals at 5 a second: the swing is kept for them
+        learning.flow("p:1").arrived(600.0 + i * 0.2)
+    assert _kept(["p:1"], horizon, learning, snapshot, 21, 20.0, 1.0, 720.0) >= 40
+
+
 def test_a_tenant_at_its_cap_is_refused_on_the_snapshot_and_the_cap_goes_to_the_ledger() -> None:
     config = settings(tenants={"acme": {"max_inflight": 3, "max_outstanding_s": 100}})
     pool = config.pools[0]
