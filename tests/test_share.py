@@ -151,7 +151,6 @@ def test_no_room_is_kept_for_a_priority_there_is_no_evidence_of() -> None:
     config = settings()
     learning = learning_for(config.pools[0])
     learning.flow("p:1").arrived(0.0)
-    learning.flow("p:0").arrived(0.0)
     snapshot = Snapshot(20, 20 * 1500.0, 20 * 800, groups={"p:0": (20, 20 * 1500.0)})
     horizon = SimpleNamespace(completion_ms=20_000.0)
     assert _kept(["p:1"], horizon, learning, snapshot, 21, 20.0, 1.0, 600.0) == 0
