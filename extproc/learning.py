@@ -355,6 +355,14 @@ class PoolLearning:
                 if n >= CLASS_SHARE * total and c in config.classes
                 and not config.classes[c].batch]
 
+    def batch_reserve(self, config: Config, now: float) -> float:
+        """Slots a batch request must leave free beyond those it takes: what the interactive
+        classes need (``Demand.reserve``) less what their requests hold now, which the pool's
+        in-flight count already has. A read."""
+        held = sum(n for c, n in self.inflight.items()
+                   if c in config.classes and not config.classes[c].batch)
+        return max(0.0, self.demand.reserve(now) - held)
+
     def _several(self) -> bool:
         """The pool serves more than one class (each ``CLASS_SHARE`` of recent requests)."""
         total = sum(self._asked.values())

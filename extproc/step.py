@@ -30,9 +30,10 @@ What becomes of a request, beyond ``decide``:
     in the ledger like any request), and otherwise gets a 429: it never waits in a queue in
     front of admitted work, nor slows the interactive classes past their objectives.
 - **batch work** (a class with ``batch: true``) is admitted only into a free slot beyond the
-  interactive classes' reserve (their measured demand in flight, ``extproc.learning.Demand``),
-  and only if a typical request of each interactive class the pool serves, arriving after it
-  and after the reserve, would still be admitted: batch work takes only the capacity the
+  interactive classes' reserve (their measured demand in flight, ``extproc.learning.Demand``,
+  less the interactive requests running now, which the pool's count already holds), and
+  only if a typical request of each interactive class the pool serves, arriving after it and
+  after the reserve, would still be admitted: batch work takes only the capacity the
   interactive classes do not need for their objectives, slots and step time alike;
 - **priorities, fair shares and tenant caps** (``extproc.contention``): a tenant at a hard cap
   is refused; an admitted request of a lower priority, or of a tenant over its share of a
@@ -231,7 +232,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
                          error=too_long)
 
     capacity = capacity_for(pool, replicas, learning,
-                            learning.demand.reserve(now) if policy.batch else 0.0)
+                            learning.batch_reserve(config, now) if policy.batch else 0.0)
     # The prefill backlog is this gateway's; behind several gateways it is the share of the
     # ledger's requests this one holds: the fleet's is that scaled up, draining at the
     # fleet's rate (this one's share of it drains at the same share of the rate).
@@ -351,12 +352,19 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Co
     refused (``NO_CAPACITY``): the room is the interactive classes'. Returns the refusal, or
     None."""
     n = snapshot.inflight
+    # A slot is held once: the interactive requests running now hold theirs in ``n``, and the
+    # batch reserve is what they need beyond it (``PoolLearning.batch_reserve``). Their work
+    # and KV count in full: what runs now grows as it decodes, and the reserve's share of it
+    # is the margin (without it, on a KV-bound fleet, batch work filled the KV cache the
+    # latency class needed: docs/admission.md).
     reserve = math.ceil(capacity.reserved)
+    batch = config.classes[ask.service_class].batch  # (else: an infeasible request passed)
+    grows = math.ceil(learning.demand.reserve(now)) if batch else 0
     mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
     mean_kv = (snapshot.kv_tokens / n) if n else cost.kv
     after = Snapshot(n + 1 + reserve,
-                     snapshot.outstanding_ms + decision.service_ms + reserve * mean_ms,
-                     round(snapshot.kv_tokens + cost.kv + reserve * mean_kv),
+                     snapshot.outstanding_ms + decision.service_ms + grows * mean_ms,
+                     round(snapshot.kv_tokens + cost.kv + grows * mean_kv),
                      snapshot.prefill_tokens + cost.prompt_tokens)
     plain = dataclasses.replace(capacity, reserved=0.0)
     prompt = round(capacity.mix.prompt_tokens)

@@ -114,6 +114,30 @@ def test_batch_requests_leave_the_interactive_reserve_alone() -> None:
                  600.0).outcome is Outcome.ADMIT
 
 
+def test_interactive_requests_in_flight_fill_the_batch_reserve_not_beside_it() -> None:
+    # The reserve is what interactive demand holds in flight (2) plus its swing; the pool's
+    # in-flight count already has the interactive requests running now. With 3 in flight of
+    # 8 slots, 2 of them interactive: 1 batch + this one + the reserve (~4.8) fit. Counted
+    # twice (3 + 1 + 4.8 > 8), the batch request was refused on a pool that had room for it.
+    learning = learning_for(POOL)
+    for t in range(0, 600, 2):
+        learning.arrived("latency", False, float(t))
+        learning.settled("latency", batch=False, seconds=4.0, deadline_s=10.0,
+                         completed=True, unavoidable=0.0, now=float(t))
+    batch = Ask("throughput", 500, 200)
+    three = Snapshot(3, 3_000)
+    assert admit(batch, POOL, CONFIG, learning, three, 2, 600.0).reason is Reason.NO_CAPACITY
+    for _ in range(2):
+        learning.admitted("latency", 500, now=600.0)
+    assert learning.batch_reserve(CONFIG, 600.0) == pytest.approx(
+        learning.demand.reserve(600.0) - 2)
+    assert admit(batch, POOL, CONFIG, learning, three, 2, 600.0).outcome is Outcome.ADMIT
+    # ... and never below nothing: interactive requests beyond their demand leave no credit
+    for _ in range(6):
+        learning.admitted("latency", 500, now=600.0)
+    assert learning.batch_reserve(CONFIG, 600.0) == 0.0
+
+
 def test_a_request_that_may_run_long_is_marked_for_the_promise() -> None:
     adm = step(Ask("latency", 100, 4000))  # could produce far more than fits 8 s alone
     assert adm.runs and 0 < adm.unavoidable < 0.2
