@@ -138,6 +138,34 @@ def test_interactive_requests_in_flight_fill_the_batch_reserve_not_beside_it() -
     assert learning.batch_reserve(CONFIG, 600.0) == 0.0
 
 
+def test_the_batch_reserve_counts_the_kv_of_the_interactive_requests_running_now_in_full() -> None:
+    # Their slots count once, their KV cache does not: what runs now grows as it decodes, and
+    # the crowd-out check keeps the whole reserve's KV as its margin. On a KV-bound pool with
+    # 2 interactive requests running, a batch request that would leave the reserve's KV
+    # (5 requests of the pool's mean) no room is refused, though 1 batch + it + the reserve
+    # less those 2 would fit (counted once in KV too, it was admitted up to 5,200 tokens a
+    # request; on 8b-vllm the latency class was then refused for KV: docs/admission.md).
+    config = config_mod.from_mapping({
+        "pools": [{"name": "llm", "replicas": 2, "expected_output_tokens": 100,
+                   "long_output_tokens": 300, "engine": {**ENGINE, "num_gpu_blocks": 1000}}],
+        "classes": {"latency": {"deadline_ms": 10_000, "ttft_ms": 500},
+                    "throughput": {"deadline_ms": 600_000, "batch": True}}})
+    pool = config.pools[0]
+    learning = learning_for(pool)
+    for t in range(0, 600, 2):
+        learning.arrived("latency", False, float(t))
+        learning.arrived("throughput", True, float(t))
+        learning.settled("latency", batch=False, seconds=4.0, deadline_s=10.0,
+                         completed=True, unavoidable=0.0, now=float(t))
+    for _ in range(2):
+        learning.admitted("latency", 500, now=600.0)
+    batch = Ask("throughput", 500, 200)
+    roomy = admit(batch, pool, config, learning, Snapshot(3, 3_000, 3 * 3_000), 2, 600.0)
+    assert roomy.outcome is Outcome.ADMIT
+    full = admit(batch, pool, config, learning, Snapshot(3, 3_000, 3 * 4_500), 2, 600.0)
+    assert (full.outcome, full.reason) == (Outcome.REJECT, Reason.NO_CAPACITY)
+
+
 def test_a_request_that_may_run_long_is_marked_for_the_promise() -> None:
     adm = step(Ask("latency", 100, 4000))  # could produce far more than fits 8 s alone
     assert adm.runs and 0 < adm.unavoidable < 0.2
