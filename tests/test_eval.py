@@ -102,6 +102,34 @@ def test_the_summary_counts_the_cells(reduced: tuple[str, dict[str, Any], Path])
     assert s["median default/oracle"] == pytest.approx(
         (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2, abs=1e-4)
     assert "median default/oracle" in text and "elapsed:" in text
+    assert s["no harm cells"] == len(cells)
+    assert s["no harm: all three"] == sum(1 for c in cells if not c["harm"])
+    assert s["no harm: goodput"] == sum(1 for c in cells if "goodput" not in c["harm"])
+    assert f"all three: {s['no harm: all three']}/{len(cells)}" in text
+
+
+def _cell(default: tuple[float, float, float], naive: tuple[float, float],
+          saturation: tuple[float, float]) -> dict[str, Any]:
+    """A record's policies: (goodput, attainment[, refused_idle_share]) each."""
+    g, a, idle = default
+    return {"default": {"goodput": g, "attainment": a, "refused_idle_share": idle},
+            "naive": {"goodput": naive[0], "attainment": naive[1]},
+            "saturation": {"goodput": saturation[0], "attainment": saturation[1]}}
+
+
+def test_do_no_harm_is_judged_against_the_better_peer() -> None:
+    # goodput: 0.97x the better peer's (saturation's here), not the worse one's
+    assert evaluate.harm(_cell((9.7, 0.99, 0.0), (5.0, 0.99), (10.0, 0.99))) == []
+    assert evaluate.harm(_cell((9.69, 0.99, 0.0), (5.0, 0.99), (10.0, 0.99))) == ["goodput"]
+    # attainment: half a point under the better peer's, which counts up to 99 % only
+    assert evaluate.harm(_cell((10, 0.955, 0.0), (5, 0.96), (5, 0.90))) == []
+    assert evaluate.harm(_cell((10, 0.954, 0.0), (5, 0.96), (5, 0.90))) == ["attainment"]
+    assert evaluate.harm(_cell((10, 0.986, 0.0), (5, 1.0), (5, 1.0))) == []
+    assert evaluate.harm(_cell((10, 0.984, 0.0), (5, 1.0), (5, 1.0))) == ["attainment"]
+    # refusing while a replica is idle: more than 2 % of the run
+    assert evaluate.harm(_cell((10, 1.0, 0.02), (5, 1.0), (5, 1.0))) == []
+    assert evaluate.harm(_cell((10, 1.0, 0.021), (5, 1.0), (5, 1.0))) == ["idle"]
+    assert evaluate.harm({"default": {"goodput": 0.0, "attainment": 0.0}}) == []  # no peer ran
 
 
 def test_the_table_lists_losing_cells_first(reduced: tuple[str, dict[str, Any], Path]) -> None:
@@ -147,7 +175,7 @@ def test_scores_without_a_baseline_goodput() -> None:
     some = {"goodput": 2.0, "attainment": 1.0}
     rec = {"policies": {"default": some, "naive": zero, "oracle": zero}}
     assert evaluate.score(rec) == {"ratios": {"default/naive": None, "default/oracle": None},
-                                   "losses": []}
+                                   "losses": [], "harm": []}
     rec = {"policies": {"default": zero, "naive": zero}}
     assert evaluate.score(rec)["ratios"] == {"default/naive": 1.0}
 

@@ -24,13 +24,21 @@ goodput of every N tried; the record keeps them all.
     goodput(default) >= 0.95 x goodput(tuned)
     attainment(default) >= 99%              wherever attainment(oracle) >= 99%
 
+**Do no harm** (issue 27; ``harm``): the rules an operator's plain limit holds the default
+to, against the better of the untuned peers, naive and saturation, in every cell::
+
+    goodput(default)    >= 0.97 x max(goodput(naive), goodput(saturation))
+    attainment(default) >= min(99%, max(attainment(naive), attainment(saturation))) - 0.5 pt
+    refusing work an idle replica would do (``Result.refused_idle_s``) <= 2% of the run
+
 **Output**: a table on stdout, one row per cell (each policy's goodput, the default's
-attainment, its goodput over each baseline's), losses first, worst first; a summary (how many
-cells meet each target, the median of default/oracle, the elapsed time); ``matrix.json``
+attainment, its goodput over each baseline's, the targets it loses and the do-no-harm rules it
+breaks), losses first, worst first; a summary (how many cells meet each target and each
+do-no-harm rule, the median of default/oracle, the elapsed time); ``matrix.json``
 (every cell: drawn parameters, each policy's goodput, attainment, admitted, rejected, p99
 latency, the sweep); ``matrix.png`` (a heatmap of the ratios and the attainment, rows in the
-table's order). The ratios and losses in the JSON are ``score``'s, computed from the goodputs
-and attainments stored next to them.
+table's order). The ratios, losses and harms in the JSON are ``score``'s, computed from the
+goodputs and attainments stored next to them.
 
 **Cost.** Cells run in worker processes (``spawn``, one per core by default); a cell is one
 process's work, deterministic (the scenario depends only on the cell, the simulator only on the
@@ -83,6 +91,9 @@ TUNED_SHARE = 0.95  # default must reach this share of tuned's goodput
 ATTAINMENT = 0.99
 REFUSED_IDLE = 0.02  # of the run: refusing work an idle replica would have done (issue 27;
 # ``Result.refused_idle_s``)
+PEERS = ("naive", "saturation")  # the untuned limits an operator would otherwise run
+HARM_SHARE = 0.97  # do no harm: the default's goodput at least this share of the better peer's
+HARM_SLACK = 0.005  # ... and its attainment at most this far under min(99 %, the better's)
 REDUCED_LOAD, REDUCED_FLEET, REDUCED_SIZE = 1.5, "70b-16", 0.25
 AUTOSCALE_LOAD, AUTOSCALE_FLEET, AUTOSCALE_SIZE = 1.0, "70b-16", 3.0
 AUTOSCALE_PROVISIONING_S = 180.0  # a replica whose weights are cached on its node
@@ -206,7 +217,30 @@ def score(record: Record) -> Record:
         losses.append("tuned")
     if "oracle" in pol and pol["oracle"]["attainment"] >= ATTAINMENT > d["attainment"]:
         losses.append("attainment")
-    return {"ratios": ratios, "losses": losses}
+    return {"ratios": ratios, "losses": losses, "harm": harm(pol)}
+
+
+def harm(pol: Record) -> list[str]:
+    """The do-no-harm rules (issue 27) the default breaks in one cell, against the better of
+    the untuned peers (``PEERS``, those run)::
+
+        goodput     default < HARM_SHARE x max(goodput of the peers)
+        attainment  default < min(ATTAINMENT, max(attainment of the peers)) - HARM_SLACK
+        idle        refusing work an idle replica would do > REFUSED_IDLE of the run
+
+    Empty when no peer ran."""
+    d = pol["default"]
+    peers = [pol[p] for p in PEERS if p in pol]
+    if not peers:
+        return []
+    broken = []
+    if d["goodput"] < HARM_SHARE * max(p["goodput"] for p in peers):
+        broken.append("goodput")
+    if d["attainment"] < min(ATTAINMENT, max(p["attainment"] for p in peers)) - HARM_SLACK:
+        broken.append("attainment")
+    if d.get("refused_idle_share", 0.0) > REFUSED_IDLE:
+        broken.append("idle")
+    return broken
 
 
 def _margin(record: Record) -> float:
@@ -256,6 +290,12 @@ def summary(records: Sequence[Record]) -> Record:
     out["refusing while idle"] = sum(  # the default refused while a replica was idle
         1 for r in records
         if r["policies"].get("default", {}).get("refused_idle_share", 0.0) > REFUSED_IDLE)
+    judged = [r for r in records if any(p in r["policies"] for p in PEERS)]
+    if judged:
+        out["no harm cells"] = len(judged)
+        for rule in ("goodput", "attainment", "idle"):
+            out[f"no harm: {rule}"] = sum(1 for r in judged if rule not in r.get("harm", ()))
+        out["no harm: all three"] = sum(1 for r in judged if not r.get("harm"))
     out["cpu_s"] = round(sum(r.get("cpu_s", 0.0) for r in records), 1)
     return out
 
@@ -274,7 +314,7 @@ def table(records: Sequence[Record]) -> str:
     width = max((len(r["cell"]) for r in rows), default=10) + 2
     head = "cell".ljust(width) + "".join(c[:8].rjust(9) for c in present)
     head += "  tuned(N)" if tuned else ""
-    head += "  attain" + "".join(f"d/{b[:5]}".rjust(9) for b in ratios) + "  loses"
+    head += "  attain" + "".join(f"d/{b[:5]}".rjust(9) for b in ratios) + "  loses  harms"
     lines = [head]
     for r in rows:
         pol = r["policies"]
@@ -287,7 +327,7 @@ def table(records: Sequence[Record]) -> str:
         line += f"{100 * pol['default']['attainment']:7.2f}%"
         line += "".join("      inf" if r["ratios"].get(f"default/{b}") is None
                         else f"{r['ratios'][f'default/{b}']:9.3f}" for b in ratios)
-        line += "  " + (",".join(r["losses"]) or "-")
+        line += "  " + (",".join(r["losses"]) or "-") + "  " + (",".join(r.get("harm", ())) or "-")
         lines.append(line)
     return "\n".join(lines)
 
@@ -303,6 +343,15 @@ def summary_text(s: Record, elapsed_s: float, workers: int) -> str:
     lines.append(f"  median default/oracle: {s['median default/oracle']}")
     lines.append(f"  default refusing work an idle replica would do > {100 * REFUSED_IDLE:g}% of"
                  f" the run: {s['refusing while idle']}/{n}")
+    if "no harm cells" in s:
+        m = s["no harm cells"]
+        lines.append(f"do no harm (issue 27), against the better of {' and '.join(PEERS)}:")
+        lines.append(f"  goodput >= {HARM_SHARE:g}x: {s['no harm: goodput']}/{m}")
+        lines.append(f"  attainment >= min({100 * ATTAINMENT:g}%, the better's)"
+                     f" - {100 * HARM_SLACK:g} pt: {s['no harm: attainment']}/{m}")
+        lines.append(f"  refusing while a replica is idle <= {100 * REFUSED_IDLE:g}% of the run:"
+                     f" {s['no harm: idle']}/{m}")
+        lines.append(f"  all three: {s['no harm: all three']}/{m}")
     lines.append(f"elapsed: {elapsed_s:.0f} s with {workers} worker(s),"
                  f" {s['cpu_s']:.0f} CPU-seconds in the cells")
     return "\n".join(lines)
