@@ -110,7 +110,8 @@ def test_the_summary_counts_the_cells(reduced: tuple[str, dict[str, Any], Path])
 
 def _cell(default: tuple[float, float, float], naive: tuple[float, float],
           saturation: tuple[float, float]) -> dict[str, Any]:
-    """A record's policies: (goodput, attainment[, refused_idle_share]) each."""
+    """A record's policies: the default's (goodput, attainment, refused_idle_share), each
+    peer's (goodput, attainment)."""
     g, a, idle = default
     return {"default": {"goodput": g, "attainment": a, "refused_idle_share": idle},
             "naive": {"goodput": naive[0], "attainment": naive[1]},

@@ -287,9 +287,6 @@ def summary(records: Sequence[Record]) -> Record:
     out["attainment met"] = sum(1 for r in strict if "attainment" not in r["losses"])
     out["all targets"] = sum(1 for r in records if not r["losses"])
     out["median default/oracle"] = round(statistics.median(oracle), 4) if oracle else None
-    out["refusing while idle"] = sum(  # the default refused while a replica was idle
-        1 for r in records
-        if r["policies"].get("default", {}).get("refused_idle_share", 0.0) > REFUSED_IDLE)
     judged = [r for r in records if any(p in r["policies"] for p in PEERS)]
     if judged:
         out["no harm cells"] = len(judged)
@@ -341,8 +338,6 @@ def summary_text(s: Record, elapsed_s: float, workers: int) -> str:
                  f" {s['attainment met']}/{s['attainment cells']}")
     lines.append(f"  every target: {s['all targets']}/{n}")
     lines.append(f"  median default/oracle: {s['median default/oracle']}")
-    lines.append(f"  default refusing work an idle replica would do > {100 * REFUSED_IDLE:g}% of"
-                 f" the run: {s['refusing while idle']}/{n}")
     if "no harm cells" in s:
         m = s["no harm cells"]
         lines.append(f"do no harm (issue 27), against the better of {' and '.join(PEERS)}:")
