@@ -12,6 +12,15 @@ TGI has no KV-usage gauge; a page with none of these names is a failed scrape, n
 vLLM's ``vllm:request_generation_tokens`` histogram (output tokens of each finished request)
 is read too, its cumulative buckets summed per ``le``: TGI has none, and then it is absent.
 
+Speed. vLLM's ``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds``
+(``vllm:time_per_output_token_seconds`` before vLLM 0.11) histograms are read as their sums
+and counts: each round, their increase over every target (a count that went down: the engine
+restarted, and what it counted since is the increase) is the mean first-token time and
+inter-token latency the engines measured since the last round, handed to the pool's
+``on_speed`` sink when both moved. The tokens a stream had when its client left are estimated
+at that speed (``extproc.learning``, "Answers nobody waited for"): vLLM counts an abandoned
+request in neither its length histogram nor any other per-request metric.
+
 Output lengths. Each scrape round, every target's buckets are compared with its previous ones
 (``histogram_increase``): the increase is the outputs finished since, handed with the other
 targets' to the pool's ``on_lengths`` sink (the gate's ``Observed``). A bucket that went down
@@ -80,10 +89,13 @@ WAITING = ("vllm:num_requests_waiting", "tgi_queue_size")
 RUNNING = ("vllm:num_requests_running", "tgi_batch_current_size")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 GENERATION_TOKENS = "vllm:request_generation_tokens_bucket"
+TTFT = ("vllm:time_to_first_token_seconds",)
+ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 CACHE_INFO = "vllm:cache_config_info"
 
 Cumulative = tuple[tuple[float, float], ...]  # (le, outputs <= le), by le ascending
 Bucket = tuple[float, float, float]  # (low, high, outputs in (low, high])
+Timing = tuple[float, float]  # a latency histogram's (sum of seconds, count)
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,8 @@ class EngineSample:
     kv_usage: float | None = None  # 0..1, when the engine reports it
     generation_tokens: Cumulative | None = None  # vLLM's output-length histogram; TGI: None
     kv_blocks: tuple[int, int] | None = None  # (num_gpu_blocks, block_size), vLLM's info gauge
+    ttft: Timing | None = None  # vLLM's first-token times, cumulative; TGI: None
+    itl: Timing | None = None  # ... and inter-token latencies
 
 
 @dataclass(frozen=True)
@@ -127,9 +141,13 @@ def parse(text: str) -> EngineSample:
     counts: dict[str, int] = {}
     buckets: dict[float, float] = {}
     blocks: list[tuple[int, int]] = []
+    timings: dict[str, float] = {}  # histogram name + "_sum" / "_count" -> over labels
+    timed = {n + suffix for n in (*TTFT, *ITL) for suffix in ("_sum", "_count")}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == CACHE_INFO:
+            if sample.name in timed:
+                timings[sample.name] = timings.get(sample.name, 0.0) + sample.value
+            elif sample.name == CACHE_INFO:
                 with contextlib.suppress(KeyError, ValueError):
                     blocks.append((int(sample.labels["num_gpu_blocks"]),
                                    int(sample.labels["block_size"])))
@@ -148,9 +166,25 @@ def parse(text: str) -> EngineSample:
         raise ValueError("no vLLM or TGI queue metrics on the page")
     kv_name = next((n for n in KV_USAGE if n in sums), None)
     kv = sums[kv_name] / counts[kv_name] if kv_name else None  # mean over a replica's engines
+    def timing(names: Sequence[str]) -> Timing | None:
+        return next(((timings[n + "_sum"], timings[n + "_count"]) for n in names
+                     if n + "_sum" in timings and n + "_count" in timings), None)
+
     return EngineSample(round(waiting or 0), round(running or 0), kv,
                         tuple(sorted(buckets.items())) if buckets else None,
-                        min(blocks, key=lambda b: b[0] * b[1]) if blocks else None)
+                        min(blocks, key=lambda b: b[0] * b[1]) if blocks else None,
+                        timing(TTFT), timing(ITL))
+
+
+def timing_increase(old: Timing | None, new: Timing) -> Timing:
+    """What a latency histogram counted between two scrapes of one engine: nothing when
+    ``old`` is None (the baseline is set), all of ``new`` after a restart (its count went
+    down)."""
+    if old is None:
+        return (0.0, 0.0)
+    if new[1] < old[1] or new[0] < old[0]:
+        return new
+    return (new[0] - old[0], new[1] - old[1])
 
 
 def histogram_increase(old: Cumulative | None, new: Cumulative) -> tuple[Bucket, ...]:
@@ -238,6 +272,7 @@ def with_reported_kv(pool: Pool, engines: PoolStats | None,
 
 Targets = Callable[[str], Sequence[str]]
 LengthSink = Callable[[str, Sequence[Bucket]], None]  # (pool, outputs finished this round)
+SpeedSink = Callable[[str, float, float], None]  # (pool, first-token ms, inter-token ms)
 
 
 class EngineStats:
@@ -251,7 +286,8 @@ class EngineStats:
     def __init__(self, targets: Targets | Mapping[str, Sequence[str]], *,
                  timeout_s: float = 0.5, max_age_s: float = 5.0, min_coverage: float = 0.5,
                  path: str = "/metrics", clock: Callable[[], float] = time.monotonic,
-                 on_lengths: LengthSink | None = None) -> None:
+                 on_lengths: LengthSink | None = None,
+                 on_speed: SpeedSink | None = None) -> None:
         self._targets: Targets = targets.__getitem__ if isinstance(targets, Mapping) else targets
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_age_s, self.min_coverage, self.path = max_age_s, min_coverage, path
@@ -259,6 +295,8 @@ class EngineStats:
         self._samples: dict[str, dict[str, tuple[float, EngineSample]]] = {}
         self._lengths: dict[str, dict[str, Cumulative]] = {}  # pool -> target -> last buckets
         self.on_lengths = on_lengths  # called once per round with the outputs finished since
+        self._timings: dict[str, dict[str, tuple[Timing | None, Timing | None]]] = {}
+        self.on_speed = on_speed  # called in a round where both latency histograms moved
         self._errors: dict[str, str] = {}  # target -> last error, for logs and debugging
         self._sent: dict[str, dict[str, float]] = {}  # pool -> target -> last request sent
         self._session: aiohttp.ClientSession | None = None
@@ -303,7 +341,33 @@ class EngineStats:
         increase = self._increase(pool, targets, results)
         if self.on_lengths is not None:
             self.on_lengths(pool, increase)
+        speed = self._speed(pool, targets, results)
+        if speed is not None and self.on_speed is not None:
+            self.on_speed(pool, *speed)
         return self.latest(pool)
+
+    def _speed(self, pool: str, targets: Sequence[str],
+               results: Sequence[EngineSample | None]) -> tuple[float, float] | None:
+        """This round's mean first-token time and inter-token latency over the targets, ms
+        (None unless both histograms counted something); each target's sums kept."""
+        last = self._timings.setdefault(pool, {})
+        for target in list(last):
+            if target not in targets:
+                del last[target]
+        ttft, itl = [0.0, 0.0], [0.0, 0.0]
+        for target, sample in zip(targets, results, strict=True):
+            if sample is None:
+                continue
+            before = last.get(target, (None, None))
+            for now, then, into in ((sample.ttft, before[0], ttft), (sample.itl, before[1], itl)):
+                if now is not None:
+                    seconds, count = timing_increase(then, now)
+                    into[0] += seconds
+                    into[1] += count
+            last[target] = (sample.ttft, sample.itl)
+        if ttft[1] <= 0 or itl[1] <= 0:
+            return None
+        return 1000.0 * ttft[0] / ttft[1], 1000.0 * itl[0] / itl[1]
 
     def _increase(self, pool: str, targets: Sequence[str],
                   results: Sequence[EngineSample | None]) -> list[Bucket]:

@@ -148,6 +148,7 @@ class Gate:
             if settings is not None and settings.learn_output_lengths and stats is not None:
                 self._learns_lengths.add(pool.name)
                 stats.on_lengths = self.learn_lengths
+                stats.on_speed = self.learn_speed
             metrics.watch_learning(pool.name, self.learning[pool.name])
         self.listeners = tuple(listeners)  # hear of every verdict and settled ticket
         self.tracing = tracing if tracing is not None else Tracing(TracingConfig())  # off
@@ -167,9 +168,15 @@ class Gate:
         round (``EngineStats.on_lengths``)."""
         if pool not in self._learns_lengths:
             return
-        lengths = self.learning[pool].lengths
+        learning = self.learning[pool]
         for low, high, count in finished:
-            lengths.observe_bucket(low, high, count)
+            learning.finished_bucket(low, high, count)
+
+    def learn_speed(self, pool: str, ttft_ms: float, itl_ms: float) -> None:
+        """One scrape round's measured speed of the pool's engines (``EngineStats.on_speed``):
+        what a cancelled stream's answer is estimated at (``PoolLearning.engine_speed``)."""
+        if pool in self._learns_lengths:
+            self.learning[pool].engine_speed(ttft_ms, itl_ms, self._clock())
 
     def forget(self) -> None:
         """Decay what the pools learned by the time since the last call (``decay_factor``:

@@ -71,6 +71,25 @@ histogram. A class's own lengths start from the pool's configured prior, not fro
 mixed histogram (which would promise a chat request a summary's length, refuse it, and never
 learn otherwise). The promise's feedback corrects whatever bias the estimate keeps.
 
+**Answers nobody waited for.** The engines' histogram counts the answers that finished; an
+answer whose client gave up first (past its deadline) never enters it, so where the long ones
+are mostly such, the histogram reads them as rare, and a request's chance of missing even
+alone (``unavoidable``) reads low: on an output tail where a fifth of the answers cannot finish
+in time alone it read 8.5 %, and the level took the misses for load's doing. So the pool also
+keeps ``begun``: every answer the engines began, those that finished at their length and each
+cancelled stream as a censored observation, at least the tokens it had when its client left:
+``(d - ttft) / itl`` for a stream that lasted ``d``, at the first-token time and inter-token
+latency the engines *measured* over their last scrape round (``engine_speed``; vLLM's
+``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds``). Measured, not
+the decision's prediction: under overload every answer is slower than predicted, and a
+predicted step would read each late stream as a long answer, so the misses of overload
+would look unavoidable and never tighten anything (measured: 110 of 135 cells against 111
+without it; with the engines' speed, 114). Without a fresh measurement
+(``SPEED_MAX_AGE_S``: TGI, no engine metrics configured) a cancelled stream counts nothing.
+``begun`` prices only ``unavoidable`` (the level's baseline, the promise's expected misses),
+never the promise itself: an answer that cannot finish says nothing about which requests will
+be long. A pool serving several classes keeps each class's own lengths for both.
+
 **The mix.** The mean prompt of the requests that ask (decayed) and the mean output: the
 context a decode reads and the prefill that joins a busy batch (``extproc.admission.Mix``).
 
@@ -112,6 +131,7 @@ SPREAD_WEIGHT = 0.02  # the admission limit's spread: about the last 50 decision
 MIX_WEIGHT = 0.02  # the prompt mean's weight of each new admission
 CLASS_SHARE = 0.05  # a class counts as served from this share of recent requests
 CENSOR_REFRESH_S = 1.0  # the answers in flight are folded into the lengths this often
+SPEED_MAX_AGE_S = 30.0  # the engines' measured speed counts this long after it was read
 
 
 def _logit_tail(q: float) -> float:
@@ -289,6 +309,16 @@ class Demand:
         return load + 2.0 * math.sqrt(load)
 
 
+@dataclass(frozen=True)
+class Speed:
+    """What the engines measured over a scrape round: mean time to first token and mean
+    inter-token latency, ms, read at ``at``."""
+
+    ttft_ms: float
+    itl_ms: float
+    at: float
+
+
 @dataclass(slots=True)
 class Running:
     """What a pool keeps of one of this gateway's admitted requests while it runs."""
@@ -314,6 +344,9 @@ class PoolLearning:
 
     def __init__(self, prior: Prior | None = None) -> None:
         self.lengths = Lengths(prior)
+        self.begun = Lengths(prior)  # ... and the cancelled ones, censored (docstring)
+        self._begun_view: Lengths | None = None  # ... with the answers in flight
+        self._speed: Speed | None = None  # the engines' last measured speed
         self.class_lengths: dict[str, Lengths] = {}  # inferred from durations (docstring)
         self._asked: dict[str, float] = {}  # requests per class, decayed like the lengths
         self.promises: dict[str, Promise] = {}
@@ -374,6 +407,39 @@ class PoolLearning:
             return self._views.get("", self.lengths)
         return self._views.get(service_class) or self._own(service_class)
 
+    def unavoidable_lengths(self, service_class: str) -> Lengths:
+        """The lengths a class's chance of missing even alone is read from: the answers the
+        engines began, the cancelled ones included (module docstring)."""
+        if self._several():
+            return self.lengths_for(service_class)
+        return self._begun_view or self.begun
+
+    def finished(self, tokens: float, *, cut: bool = False) -> None:
+        """An answer the engines finished, of ``tokens`` (``cut``: by ``max_tokens``)."""
+        self.lengths.observe(tokens, cut=cut)
+        self.begun.observe(tokens, cut=cut)
+
+    def finished_bucket(self, low: float, high: float, count: float) -> None:
+        """``count`` answers the engines finished, each of ``(low, high]`` tokens."""
+        self.lengths.observe_bucket(low, high, count)
+        self.begun.observe_bucket(low, high, count)
+
+    def engine_speed(self, ttft_ms: float, itl_ms: float, now: float) -> None:
+        """The engines' mean first-token time and inter-token latency over their last scrape
+        round (module docstring, "Answers nobody waited for")."""
+        if itl_ms > 0 and ttft_ms >= 0:
+            self._speed = Speed(ttft_ms, itl_ms, now)
+
+    def _abandoned(self, seconds: float, now: float) -> None:
+        """A stream of this gateway's, running for ``seconds``, was cancelled: its answer had
+        at least the tokens the engines' measured speed gives it by then."""
+        speed = self._speed
+        if speed is None or now - speed.at > SPEED_MAX_AGE_S:
+            return
+        tokens = (seconds * 1000.0 - speed.ttft_ms) / speed.itl_ms
+        if tokens >= 1.0:
+            self.begun.observe(tokens, cut=True)
+
     def refresh(self, now: float) -> None:
         """Resolve the requests whose deadline has come (module docstring); and at most every
         ``CENSOR_REFRESH_S``, fold the answers in flight into the lengths (``Lengths.censored``:
@@ -399,6 +465,7 @@ class PoolLearning:
                 pool.append(tokens)
                 by_class.setdefault(r.service_class, []).append(tokens)
         self._views = {cls: self._own(cls).censored(b) for cls, b in by_class.items()}
+        self._begun_view = self.begun.censored(pool) if pool else None
         if pool:
             self._views[""] = self.lengths.censored(pool)
 
@@ -457,6 +524,7 @@ class PoolLearning:
     def decay(self, factor: float) -> None:
         """Forget a round's worth of every length histogram and of the classes' requests."""
         self.lengths.decay(factor)
+        self.begun.decay(factor)
         for own in self.class_lengths.values():
             own.decay(factor)
         self._asked = {c: n * factor for c, n in self._asked.items()}
@@ -548,6 +616,8 @@ class PoolLearning:
             self.backlog.tokens = max(0.0, self.backlog.tokens - running.prompt_tokens)
         if running is not None and completed and not missed:
             self._completed(running)
+        if running is not None and not completed:
+            self._abandoned(seconds, now)
         if key is not None and running is not None and math.isfinite(running.deadline_s):
             if not running.missed and (missed or completed):
                 self._ended[key] = (running, missed)

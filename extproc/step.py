@@ -403,5 +403,5 @@ def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLe
         return 0.0
     if not math.isfinite(longest):
         return 0.0
-    return learning.lengths_for(policy_class).survival(max(0.0, longest))
+    return learning.unavoidable_lengths(policy_class).survival(max(0.0, longest))
 

@@ -64,6 +64,7 @@ from extproc.workload import Job
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL, _EXPIRE, _PASS = range(7)
 AFFINITY_SLACK = 0.25  # a prefix's replica is kept while at most this share of a batch busier
 SCRAPE_S = 0.05  # how often a saturation detector's view of the engines is refreshed
+METRICS_S = 2.0  # the gateway's own scrape of the engines' metrics (``EngineStats.start``)
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,10 @@ class Simulation:
         self._view = EngineView()
         self._prefill_rate = 0.0  # the last step decision's (the backlog's drain)
         self._view_at = -INF
+        # The engines' latency histograms since the gateway's last scrape round: first-token
+        # seconds and count, inter-token seconds and count (``_timed``).
+        self._timings = [0.0, 0.0, 0.0, 0.0]
+        self._timed_at = 0.0
         self._sent_at: dict[int, float] = {}  # replica -> when the gateway last sent it a request
         self._affinity: dict[str, Replica] = {}  # prefix key -> the replica of its last turn
         self._refused_idle_at = -1  # the last second counted in ``refused_idle_s``
@@ -719,9 +724,9 @@ class Simulation:
             else:
                 res.queue_delay_s += replica_left - a.queued_at
             res.gpu_s += a.gpu_s
+            self._timed(a, replica_left)
             if a.finished_at >= 0.0:
-                self.learning.lengths.observe(a.output_tokens,
-                                              cut=a.output_tokens >= a.charged_tokens)
+                self.learning.finished(a.output_tokens, cut=a.output_tokens >= a.charged_tokens)
                 res.completed += 1
                 self._window.completed += 1
                 self._release(a, completed=True)
@@ -753,6 +758,23 @@ class Simulation:
                 res.ttfts_s.append(a.first_token_at - a.arrival if a.first_token_at >= 0.0
                                    and a.first_token_at <= self.now else INF)
                 sample.dropped += 1
+
+    def _timed(self, a: Attempt, left: float) -> None:
+        """What the engines' latency histograms count of an attempt that left them (vLLM's
+        count each token as it comes, finished or abandoned; counted here when it leaves); and
+        every ``METRICS_S``, the round's means to the pool's learning, as ``Gate.learn_speed``
+        hands them on."""
+        t = self._timings
+        if 0.0 <= a.first_token_at <= left:
+            t[0] += a.first_token_at - a.queued_at
+            t[1] += 1.0
+            if a.generated > 1:
+                t[2] += left - a.first_token_at
+                t[3] += a.generated - 1
+        if self.now - self._timed_at >= METRICS_S:
+            if t[1] > 0 and t[3] > 0:
+                self.learning.engine_speed(1000.0 * t[0] / t[1], 1000.0 * t[2] / t[3], self.now)
+            self._timings, self._timed_at = [0.0, 0.0, 0.0, 0.0], self.now
 
     # ---- observation and control ----
     def _observe(self) -> Observation:
