@@ -15,8 +15,10 @@ and the batch at the next step, freeing its blocks as vLLM's abort does; serve t
 seen before anything is written. With ``replicas > 1`` a request joins the replica with the
 fewest running + waiting. ``/metrics`` uses vLLM's names summed over replicas (with
 ``vllm:cache_config_info`` carrying ``block_size`` and ``num_gpu_blocks`` as labels, as vLLM
-does); the latency and output-length (``vllm:request_generation_tokens``) histograms count
-completed requests only.
+does); the end-to-end, queue and output-length (``vllm:request_generation_tokens``)
+histograms count completed requests only, and the first-token and inter-token ones
+(``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``) each token as it
+is generated, a request later abandoned included, as vLLM's do.
 
 Output lengths follow vLLM's length controls: ``ignore_eos: true`` gives exactly ``max_tokens``
 (``max_completion_tokens`` for chat), as load tools that want fixed output lengths expect;
@@ -58,6 +60,7 @@ DEFAULT_MAX_TOKENS = 256
 EMBEDDING_DIM = 8  # small on purpose: the vectors mean nothing, their cost is the prompt's
 LENGTH_MU, LENGTH_SIGMA = 5.02, 0.86  # log-normal output lengths, Azure conversation trace fit
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 # vLLM's 1-2-5 series up to the model's context length (here 20,000 tokens)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
@@ -67,13 +70,14 @@ PROBE_PATHS = frozenset({"/health", "/metrics"})  # access-logged at DEBUG, not 
 class Request(Sequence):
     """One request inside an engine; times are ``loop.time()`` seconds."""
 
-    __slots__ = ("admitted", "arrived", "finished", "first_token", "tokens")
+    __slots__ = ("admitted", "arrived", "finished", "first_token", "last_token", "tokens")
 
     def __init__(self, prompt_tokens: int, output_tokens: int, arrived: float) -> None:
         super().__init__(prompt_tokens, output_tokens)
         self.arrived = arrived
         self.admitted = 0.0
         self.first_token = 0.0
+        self.last_token = 0.0
         self.finished = 0.0
         self.tokens: asyncio.Queue[int] = asyncio.Queue()  # index of each new token
 
@@ -89,6 +93,7 @@ class Engine:
         self.sched = Scheduler(model)
         self.preemptions = 0
         self._wake = asyncio.Event()
+        self.on_token: Callable[[Request, float], None] | None = None  # each token, as it comes
 
     @property
     def running(self) -> list[Sequence]:
@@ -145,8 +150,11 @@ class Engine:
             now = loop.time()
             for seq, gen in zip(step.seqs, before, strict=True):
                 if seq.generated > gen and isinstance(seq, Request):
+                    if self.on_token is not None:
+                        self.on_token(seq, now)
                     if gen == 0:
                         seq.first_token = now
+                    seq.last_token = now
                     seq.tokens.put_nowait(gen)
             for seq in finished:
                 if isinstance(seq, Request):
@@ -357,6 +365,10 @@ class _Backend:
         reg.register(_Preemptions(self))
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.",
                               TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Between two tokens.",
+                             ITL_BUCKETS)
+        for engine in self.engines:
+            engine.on_token = self._token
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.",
                              LATENCY_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to admission.",
@@ -366,6 +378,14 @@ class _Backend:
             TOKEN_BUCKETS)
         self.success = Counter("vllm:request_success", "Completed requests.",
                                [*labels, "finished_reason"], registry=reg)
+
+    def _token(self, seq: Request, now: float) -> None:
+        """A token of ``seq`` came at ``now``: its first (the first-token histogram) or the
+        next (the inter-token one)."""
+        if seq.generated <= 1 or not seq.first_token:
+            self.ttft.observe(now - seq.arrived)
+        else:
+            self.itl.observe(now - seq.last_token)
 
     def kv_usage(self) -> float:
         """``sum(kv_used) / (kv_cache_tokens * replicas)``; 0 when the cache is unlimited."""
@@ -401,7 +421,6 @@ class _Backend:
         finally:
             engine.abort(seq)  # frees the slot if the client went away
         self.queue.observe(seq.admitted - seq.arrived)
-        self.ttft.observe(seq.first_token - seq.arrived)
         self.e2e.observe(seq.finished - seq.arrived)
         self.generation_tokens.observe(seq.generated)
         self.success.labels(self.model_name, reason).inc()

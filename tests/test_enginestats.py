@@ -18,6 +18,7 @@ from extproc.enginestats import (
     aggregate,
     correction,
     parse,
+    timing_increase,
 )
 from extproc_dev.stack import Process, free_port, wait_http
 
@@ -70,6 +71,34 @@ def test_parse_tgi_and_older_vllm() -> None:
     old = ("vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n"
            "vllm:gpu_cache_usage_perc 0.5\n")
     assert parse(old) == EngineSample(1, 2, 0.5)
+
+
+def timed(name: str, seconds: float, count: float, engine: str = "0") -> str:
+    """One engine's latency histogram as vLLM exposes it (its buckets left out: unread)."""
+    labels = f'engine="{engine}",model_name="m"'
+    return (f"# TYPE {name} histogram\n{name}_bucket{{{labels},le=\"+Inf\"}} {count}\n"
+            f"{name}_sum{{{labels}}} {seconds}\n{name}_count{{{labels}}} {count}\n")
+
+
+def test_parse_reads_the_engines_latency_histograms() -> None:
+    """First-token and inter-token latency, as (sum of seconds, count) over the engines; the
+    name vLLM used before 0.11 when the new one is absent; TGI: neither."""
+    page = (VLLM_PAGE + timed("vllm:time_to_first_token_seconds", 3.0, 10)
+            + timed("vllm:time_to_first_token_seconds", 1.0, 5, engine="1")
+            + timed("vllm:inter_token_latency_seconds", 8.0, 400))
+    sample = parse(page)
+    assert sample.ttft == (4.0, 15.0)
+    assert sample.itl == (8.0, 400.0)
+    older = parse(VLLM_PAGE + timed("vllm:time_per_output_token_seconds", 2.0, 100))
+    assert older.itl == (2.0, 100.0)
+    assert older.ttft is None
+    assert parse(TGI_PAGE).itl is None
+
+
+def test_timing_increase_is_since_the_last_scrape_or_since_a_restart() -> None:
+    assert timing_increase(None, (5.0, 50.0)) == (0.0, 0.0)  # first sight: the baseline
+    assert timing_increase((5.0, 50.0), (7.0, 60.0)) == (2.0, 10.0)
+    assert timing_increase((5.0, 50.0), (1.0, 4.0)) == (1.0, 4.0)  # restarted
 
 
 def test_a_page_without_engine_metrics_is_a_failure_not_zeros() -> None:

@@ -305,6 +305,7 @@ async def test_metrics_use_vllm_names() -> None:
     assert families["vllm:num_preemptions"].type == "counter"
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds",
                  "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                  "vllm:request_success"):
         assert families[name].samples[0].labels["model_name"] == "llama"

@@ -147,7 +147,7 @@ def test_a_pool_learns_its_mix_and_feeds_its_promises_per_class() -> None:
     learning = PoolLearning()
     for t in range(500):
         learning.arrived("latency", False, float(t), 2000)  # the mix is what asks
-        learning.lengths.observe(30)
+        learning.finished(30)
     mix = learning.mix()
     assert mix.prompt_tokens == pytest.approx(2000, rel=0.01)
     assert mix.output_tokens < 40
@@ -163,7 +163,7 @@ def test_each_class_learns_its_own_lengths_once_the_pool_serves_several() -> Non
     learning = PoolLearning()
     for t in range(200):
         learning.arrived("chat", False, float(t))
-        learning.lengths.observe(100)  # the engines' histogram: everything, exact
+        learning.finished(100)  # the engines' histogram: everything, exact
     assert learning.lengths_for("chat") is learning.lengths  # one class: the exact one
     for t in range(200):
         learning.arrived("batch", True, float(t))
@@ -183,7 +183,7 @@ def test_each_class_learns_its_own_lengths_once_the_pool_serves_several() -> Non
 def test_requests_in_flight_count_in_the_lengths_until_they_end() -> None:
     learning = PoolLearning()
     for _ in range(300):
-        learning.lengths.observe(20)  # the short answers, which end first
+        learning.finished(20)  # the short answers, which end first
     before = learning.lengths_for("chat").mean()
     for i in range(100):  # long answers admitted at t=0: 20 ms steps after a 0.5 s TTFT
         learning.admitted("chat", 500, now=0.0, key=f"r{i}",

@@ -40,7 +40,7 @@ POOL = CONFIG.pools[0]
 def bimodal() -> PoolLearning:
     learning = learning_for(POOL)
     for i in range(500):
-        learning.lengths.observe(1500 if i % 5 == 0 else 20)
+        learning.finished(1500 if i % 5 == 0 else 20)
     return learning
 
 
@@ -260,6 +260,67 @@ def test_unavoidable_misses_do_not_tighten_the_level() -> None:
         admitted, now = generation(learning, now, missed=0.25)
         seen.append(admitted)
     assert seen[-1] == R * SLOTS, seen
+
+
+def abandoned_tail(speed: tuple[float, float] | None) -> PoolLearning:
+    """A pool whose engines finish four answers in five (20 tokens each) and whose clients
+    abandon the fifth, each after 30 s (1.5 deadlines): long answers, which the engines' length
+    histogram never counts. ``speed``: the engines' measured first-token and inter-token ms,
+    reported just before each cancellation (None: no engine metrics)."""
+    learning = learning_for(POOL)
+    for _ in range(400):
+        learning.finished(20)
+    now = 0.0
+    for i in range(100):
+        adm = decide_at(learning, 0, now)
+        key = f"long/{i}"
+        learning.admitted(adm.service_class, adm.cost.prompt_tokens, now=now, key=key,
+                          running=running_of(adm, now))
+        now += 1.5 * DEADLINE_S
+        if speed is not None:
+            learning.engine_speed(*speed, now)
+        learning.settled(adm.service_class, batch=False, seconds=1.5 * DEADLINE_S,
+                         deadline_s=DEADLINE_S, completed=False, unavoidable=adm.unavoidable,
+                         now=now, key=key)
+        now += 1.0
+    return learning
+
+
+def test_answers_abandoned_for_their_length_are_unavoidable_misses() -> None:
+    """Invariant (c), measured: a stream cancelled after 30 s, at the 15 ms a token the engines
+    measured, had some 2,000 tokens, more than fit a 20 s deadline alone; one answer in five
+    like it is what the level's baseline and the promise must expect. From the finished
+    answers alone the chance reads as the prior's tail. And slow is not long: at the 300 ms a
+    token of an overloaded engine the same streams had about 100 tokens each, and the chance
+    barely moves (a predicted step would read every late stream as a long answer, and the
+    misses of overload as unavoidable)."""
+    fast = decide_at(abandoned_tail((500.0, 15.0)), 0, 4000.0).unavoidable
+    slow = decide_at(abandoned_tail((500.0, 300.0)), 0, 4000.0).unavoidable
+    unmeasured = decide_at(abandoned_tail(None), 0, 4000.0).unavoidable
+    assert 0.12 <= fast <= 0.3, fast
+    assert unmeasured < 0.05, unmeasured
+    assert slow < 0.05, slow
+
+
+def test_a_stale_measurement_counts_nothing() -> None:
+    """The engines' speed counts ``SPEED_MAX_AGE_S`` after it was read, not forever: a
+    scraper that stopped leaves cancelled streams uncounted."""
+    learning = learning_for(POOL)
+    learning.engine_speed(500.0, 15.0, 0.0)
+    adm = decide_at(learning, 0, 100.0)
+    learning.admitted(adm.service_class, adm.cost.prompt_tokens, now=100.0, key="k",
+                      running=running_of(adm, 100.0))
+    seen = learning.begun.seen
+    learning.settled(adm.service_class, batch=False, seconds=30.0, deadline_s=DEADLINE_S,
+                     completed=False, unavoidable=adm.unavoidable, now=130.0, key="k")
+    assert learning.begun.seen == seen
+    learning.engine_speed(500.0, 15.0, 131.0)  # fresh again: the next one counts
+    adm = decide_at(learning, 0, 131.0)
+    learning.admitted(adm.service_class, adm.cost.prompt_tokens, now=131.0, key="k2",
+                      running=running_of(adm, 131.0))
+    learning.settled(adm.service_class, batch=False, seconds=30.0, deadline_s=DEADLINE_S,
+                     completed=False, unavoidable=adm.unavoidable, now=161.0, key="k2")
+    assert learning.begun.seen == pytest.approx(seen + 1)
 
 
 def test_misses_that_only_load_causes_cut_the_level() -> None:

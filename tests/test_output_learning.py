@@ -232,9 +232,29 @@ async def test_the_gate_learns_output_lengths_from_the_engines(backend: str) -> 
     assert cost.promised < 0.1 * cost.output_tokens
 
 
+async def test_the_gate_learns_the_engines_measured_speed(backend: str) -> None:
+    """Each scrape round's increase of vLLM's first-token and inter-token histograms reaches
+    the pool's learning as their means (what a cancelled stream's answer is estimated at:
+    ``PoolLearning.engine_speed``), equal to the engine's own sums over counts."""
+    gate, stats, _ = gate_for(backend)
+    assert stats.on_speed is not None
+    assert gate.learning["llama"]._speed is None
+    await learn(gate, stats, backend, lognormal(24.0, 0.5, SENT))
+    speed = gate.learning["llama"]._speed
+    assert speed is not None
+    async with aiohttp.ClientSession() as client:
+        async with client.get(f"http://{backend}/metrics") as r:
+            page = parse(await r.text())
+    assert page.ttft is not None and page.itl is not None
+    # the first round set the baseline (nothing had run); the last round that counted both
+    # is what the pool keeps, one part of the run, so near the run's mean, in ms not seconds
+    assert speed.ttft_ms == pytest.approx(1000.0 * page.ttft[0] / page.ttft[1], rel=0.5)
+    assert speed.itl_ms == pytest.approx(1000.0 * page.itl[0] / page.itl[1], rel=0.5)
+
+
 async def test_learning_can_be_turned_off(backend: str) -> None:
     gate, stats, metrics = gate_for(backend, learn_output_lengths=False)
-    assert stats.on_lengths is None
+    assert stats.on_lengths is None and stats.on_speed is None
     await learn(gate, stats, backend, lognormal(24.0, 0.5, SENT))
     assert gate.learning["llama"].lengths.seen == 0  # the prior alone
     assert gauge(metrics, "expected") == pytest.approx(Prior.mean, rel=0.05)

@@ -47,7 +47,7 @@ def test_an_ordinary_request_on_an_idle_fleet_is_admitted_with_a_lease_and_a_cei
 def test_once_measured_the_promise_is_a_quantile_of_the_class_lengths() -> None:
     learning = learning_for(POOL)
     for _ in range(100):
-        learning.lengths.observe(150)
+        learning.finished(150)
     adm = admit(Ask("latency", 500, 2000), POOL, CONFIG, learning, IDLE, 2, 0.0)
     assert adm.cost.typical == pytest.approx(150, rel=0.05)
     assert adm.cost.promised == pytest.approx(
