@@ -166,6 +166,7 @@ def parse(text: str) -> EngineSample:
         raise ValueError("no vLLM or TGI queue metrics on the page")
     kv_name = next((n for n in KV_USAGE if n in sums), None)
     kv = sums[kv_name] / counts[kv_name] if kv_name else None  # mean over a replica's engines
+
     def timing(names: Sequence[str]) -> Timing | None:
         return next(((timings[n + "_sum"], timings[n + "_count"]) for n in names
                      if n + "_sum" in timings and n + "_count" in timings), None)

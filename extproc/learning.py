@@ -74,8 +74,9 @@ learn otherwise). The promise's feedback corrects whatever bias the estimate kee
 **Answers nobody waited for.** The engines' histogram counts the answers that finished; an
 answer whose client gave up first (past its deadline) never enters it, so where the long ones
 are mostly such, the histogram reads them as rare, and a request's chance of missing even
-alone (``unavoidable``) reads low: on an output tail where a fifth of the answers cannot finish
-in time alone it read 8.5 %, and the level took the misses for load's doing. So the pool also
+alone (``unavoidable``) reads low: on an output tail where 31 % of the admitted answers could
+not finish in time alone it read 9 %, and the level took the misses for load's doing. So the
+pool also
 keeps ``begun``: every answer the engines began, those that finished at their length and each
 cancelled stream as a censored observation, at least the tokens it had when its client left:
 ``(d - ttft) / itl`` for a stream that lasted ``d``, at the first-token time and inter-token
@@ -83,8 +84,8 @@ latency the engines *measured* over their last scrape round (``engine_speed``; v
 ``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds``). Measured, not
 the decision's prediction: under overload every answer is slower than predicted, and a
 predicted step would read each late stream as a long answer, so the misses of overload
-would look unavoidable and never tighten anything (measured: 110 of 135 cells against 111
-without it; with the engines' speed, 114). Without a fresh measurement
+would look unavoidable and never tighten anything (``docs/admission.md``, "Answers nobody
+waited for", measures both). Without a fresh measurement
 (``SPEED_MAX_AGE_S``: TGI, no engine metrics configured) a cancelled stream counts nothing.
 ``begun`` prices only ``unavoidable`` (the level's baseline, the promise's expected misses),
 never the promise itself: an answer that cannot finish says nothing about which requests will
@@ -337,6 +338,7 @@ class Running:
     charge_ms: float = 0.0  # ... its own work per replica ...
     alone: bool = False  # ... and whether a replica had nothing to do
     measured: bool = False  # admitted by the measured level against the model's prediction
+    share: float = 1.0  # this gateway's share of the pool's requests in flight at admission
 
 
 class PoolLearning:
@@ -430,15 +432,18 @@ class PoolLearning:
         if itl_ms > 0 and ttft_ms >= 0:
             self._speed = Speed(ttft_ms, itl_ms, now)
 
-    def _abandoned(self, seconds: float, now: float) -> None:
+    def _abandoned(self, running: Running, seconds: float, now: float) -> None:
         """A stream of this gateway's, running for ``seconds``, was cancelled: its answer had
-        at least the tokens the engines' measured speed gives it by then."""
+        at least the tokens the engines' measured speed gives it by then. It stands for the
+        pool's cancelled streams as this gateway's requests stand for the pool's (one in
+        ``1 / share``): the engines' finished answers are every gateway's, its cancelled
+        streams only its own."""
         speed = self._speed
         if speed is None or now - speed.at > SPEED_MAX_AGE_S:
             return
         tokens = (seconds * 1000.0 - speed.ttft_ms) / speed.itl_ms
         if tokens >= 1.0:
-            self.begun.observe(tokens, cut=True)
+            self.begun.observe(tokens, 1.0 / max(running.share, 1e-3), cut=True)
 
     def refresh(self, now: float) -> None:
         """Resolve the requests whose deadline has come (module docstring); and at most every
@@ -617,7 +622,7 @@ class PoolLearning:
         if running is not None and completed and not missed:
             self._completed(running)
         if running is not None and not completed:
-            self._abandoned(seconds, now)
+            self._abandoned(running, seconds, now)
         if key is not None and running is not None and math.isfinite(running.deadline_s):
             if not running.missed and (missed or completed):
                 self._ended[key] = (running, missed)

@@ -125,6 +125,7 @@ class Admission:
     limit: int = 0  # the admission limit its contention check met (0: none checked)
     alone_ms: float = 0.0  # its typical completion alone on an idle replica ...
     first_alone_ms: float = 0.0  # ... and its first token (``extproc.defer``'s hold)
+    share: float = 1.0  # this gateway's share of the pool's requests in flight (``admit``)
 
     @property
     def kv_tokens(self) -> int:
@@ -306,7 +307,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         level_ms=learning.level.level_ms, charge_ms=decision.service_ms / max(replicas, 1),
         alone=snapshot.inflight < replicas, limit=limit,
         alone_ms=first + cost.typical * pool.engine.itl_ms(1, cost.prompt_tokens),
-        first_alone_ms=first)
+        first_alone_ms=first, share=share)
 
 
 def _left(whole: Policy, now: Policy) -> float:
@@ -339,7 +340,7 @@ def running_of(adm: Admission, now: float) -> Running:
                    level_ms=(adm.level_ms if adm.outcome is Outcome.ADMIT
                              and adm.reason is not Reason.IDLE else -1.0),
                    charge_ms=adm.charge_ms, alone=adm.alone,
-                   measured=adm.reason in (Reason.MEASURED, Reason.IDLE))
+                   measured=adm.reason in (Reason.MEASURED, Reason.IDLE), share=adm.share)
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,

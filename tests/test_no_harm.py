@@ -20,7 +20,7 @@ import pytest
 from extproc import config as config_mod
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.enginestats import Correction
-from extproc.learning import PoolLearning, learning_for
+from extproc.learning import PoolLearning, Running, learning_for
 from extproc.level import BACKOFF, Level
 from extproc.share import CRITICAL, SHEDDABLE
 from extproc.step import Admission, Ask, admit, running_of
@@ -321,6 +321,20 @@ def test_a_stale_measurement_counts_nothing() -> None:
     learning.settled(adm.service_class, batch=False, seconds=30.0, deadline_s=DEADLINE_S,
                      completed=False, unavoidable=adm.unavoidable, now=161.0, key="k2")
     assert learning.begun.seen == pytest.approx(seen + 1)
+
+
+def test_behind_two_gateways_a_cancelled_stream_stands_for_two() -> None:
+    """The engines' finished answers are every gateway's, a gateway's cancelled streams only
+    its own: one admitted while it held half the pool's requests counts as two."""
+    learning = learning_for(POOL)
+    learning.engine_speed(500.0, 15.0, 0.0)
+    for key, share in (("alone", 1.0), ("half", 0.5)):
+        learning.admitted("latency", 500, now=0.0, key=key,
+                          running=Running("latency", 0.0, deadline_s=DEADLINE_S, share=share))
+        seen = learning.begun.seen
+        learning.settled("latency", batch=False, seconds=25.0, deadline_s=DEADLINE_S,
+                         completed=False, unavoidable=0.0, now=25.0, key=key)
+        assert learning.begun.seen == pytest.approx(seen + 1.0 / share)
 
 
 def test_misses_that_only_load_causes_cut_the_level() -> None:

@@ -242,9 +242,8 @@ async def test_the_gate_learns_the_engines_measured_speed(backend: str) -> None:
     await learn(gate, stats, backend, lognormal(24.0, 0.5, SENT))
     speed = gate.learning["llama"]._speed
     assert speed is not None
-    async with aiohttp.ClientSession() as client:
-        async with client.get(f"http://{backend}/metrics") as r:
-            page = parse(await r.text())
+    async with aiohttp.ClientSession() as client, client.get(f"http://{backend}/metrics") as r:
+        page = parse(await r.text())
     assert page.ttft is not None and page.itl is not None
     # the first round set the baseline (nothing had run); the last round that counted both
     # is what the pool keeps, one part of the run, so near the run's mean, in ms not seconds
