@@ -78,7 +78,9 @@ alone (``unavoidable``) reads low: on an output tail where 31 % of the admitted 
 not finish in time alone it read 9 %, and the level took the misses for load's doing. So the
 pool also
 keeps ``begun``: every answer the engines began, those that finished at their length and each
-cancelled stream as a censored observation, at least the tokens it had when its client left:
+cancelled stream (a streaming one: a non-streaming answer may be finished and thrown away,
+and then the engines count it themselves) as a censored observation, at least the tokens it
+had when its client left:
 ``(d - ttft) / itl`` for a stream that lasted ``d``, at the first-token time and inter-token
 latency the engines *measured* over their last scrape round (``engine_speed``; vLLM's
 ``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds``). Measured, not
@@ -339,6 +341,7 @@ class Running:
     alone: bool = False  # ... and whether a replica had nothing to do
     measured: bool = False  # admitted by the measured level against the model's prediction
     share: float = 1.0  # this gateway's share of the pool's requests in flight at admission
+    streaming: bool = True  # its client leaving aborts it at the engine (``Ask.streaming``)
 
 
 class PoolLearning:
@@ -439,7 +442,7 @@ class PoolLearning:
         ``1 / share``): the engines' finished answers are every gateway's, its cancelled
         streams only its own."""
         speed = self._speed
-        if speed is None or now - speed.at > SPEED_MAX_AGE_S:
+        if not running.streaming or speed is None or now - speed.at > SPEED_MAX_AGE_S:
             return
         tokens = (seconds * 1000.0 - speed.ttft_ms) / speed.itl_ms
         if tokens >= 1.0:

@@ -168,7 +168,7 @@ class Pricing:
                    text_tokens: int) -> Ask:
         """The request's ask with its texts priced at ``text_tokens``."""
         return Ask(cls, prompt_tokens(request, pool, text_tokens), request.max_tokens,
-                   request.choices, deadline, request.prefill_only)
+                   request.choices, deadline, request.prefill_only, streaming=request.stream)
 
     async def ask(self, request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
                   close: Callable[[Ask, Ask], bool]) -> tuple[Ask, Uncounted | None]:

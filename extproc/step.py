@@ -91,6 +91,10 @@ class Ask:
     # The replica an endpoint picker in front of the gateway chose for it (``host:port``, from
     # Envoy's metadata: ``extproc.enginestats``), if one did; the gate asks its engine.
     destination: str | None = None
+    # Its answer streams: a client that leaves aborts it at the engine, so its answer never
+    # finishes there (``extproc.learning``, "Answers nobody waited for"). A non-streaming
+    # answer may be finished and thrown away, and then the engines count it themselves.
+    streaming: bool = True
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -126,6 +130,7 @@ class Admission:
     alone_ms: float = 0.0  # its typical completion alone on an idle replica ...
     first_alone_ms: float = 0.0  # ... and its first token (``extproc.defer``'s hold)
     share: float = 1.0  # this gateway's share of the pool's requests in flight (``admit``)
+    streaming: bool = True  # ``Ask.streaming``
 
     @property
     def kv_tokens(self) -> int:
@@ -307,7 +312,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         level_ms=learning.level.level_ms, charge_ms=decision.service_ms / max(replicas, 1),
         alone=snapshot.inflight < replicas, limit=limit,
         alone_ms=first + cost.typical * pool.engine.itl_ms(1, cost.prompt_tokens),
-        first_alone_ms=first, share=share)
+        first_alone_ms=first, share=share, streaming=ask.streaming)
 
 
 def _left(whole: Policy, now: Policy) -> float:
@@ -340,7 +345,8 @@ def running_of(adm: Admission, now: float) -> Running:
                    level_ms=(adm.level_ms if adm.outcome is Outcome.ADMIT
                              and adm.reason is not Reason.IDLE else -1.0),
                    charge_ms=adm.charge_ms, alone=adm.alone,
-                   measured=adm.reason in (Reason.MEASURED, Reason.IDLE), share=adm.share)
+                   measured=adm.reason in (Reason.MEASURED, Reason.IDLE), share=adm.share,
+                   streaming=adm.streaming)
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,

@@ -466,7 +466,8 @@ class Simulation:
         ask = Ask(job.service_class, job.prompt_tokens, job.max_tokens, 1, job.deadline_ms,
                   known_output_tokens=output if self.policy.clairvoyant else None,
                   tenant=tenant,
-                  priority=priority_of(config, job.service_class, tenant, job.priority))
+                  priority=priority_of(config, job.service_class, tenant, job.priority),
+                  streaming=self.scenario.engine_aborts)
         learning.arrived(job.service_class, batch, now, job.prompt_tokens, ask.groups)
         for g in ask.groups:
             res.tally(g).attempts += 1
