@@ -337,6 +337,21 @@ def test_behind_two_gateways_a_cancelled_stream_stands_for_two() -> None:
         assert learning.begun.seen == pytest.approx(seen + 1.0 / share)
 
 
+def test_a_non_streaming_answer_cancelled_counts_nothing() -> None:
+    """A client that leaves a non-streaming request may leave its answer running to the end
+    (thrown away when finished): the engines then count it in their histogram, and counting
+    the cancellation too would count one long answer twice."""
+    learning = learning_for(POOL)
+    learning.engine_speed(500.0, 15.0, 0.0)
+    for key, streaming in (("whole", False), ("streamed", True)):
+        learning.admitted("latency", 500, now=0.0, key=key, running=Running(
+            "latency", 0.0, deadline_s=DEADLINE_S, streaming=streaming))
+        seen = learning.begun.seen
+        learning.settled("latency", batch=False, seconds=25.0, deadline_s=DEADLINE_S,
+                         completed=False, unavoidable=0.0, now=25.0, key=key)
+        assert learning.begun.seen == pytest.approx(seen + (1.0 if streaming else 0.0))
+
+
 def test_misses_that_only_load_causes_cut_the_level() -> None:
     """The other side: misses at the top and none at low load back the level off."""
     level = Level()
