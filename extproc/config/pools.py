@@ -94,7 +94,9 @@ class EngineMetricsConfig:
     slack: Count = 2
     """... plus this many requests, before the excess counts as work the ledger does not see."""
     learn_output_lengths: Flag = True
-    """Learn the pool's output lengths from vllm:request_generation_tokens."""
+    """Learn the pool's output lengths from vllm:request_generation_tokens, and the speed a
+    cancelled stream's answer is estimated at from vllm:time_to_first_token_seconds and
+    vllm:inter_token_latency_seconds."""
     idle_destination: Flag = True
     """Admit a request the model refuses when the replica an endpoint picker before ext_proc
     chose for it (Envoy metadata envoy.lb, x-gateway-destination-endpoint) reports nothing
