@@ -264,8 +264,9 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
                 "request cannot finish within its deadline even on an idle fleet; lower"
                 " max_tokens or raise the deadline", code="deadline_infeasible")
             outcome = Outcome.INVALID
-        elif decision.position + capacity.reserved > 0:
-            # Passing it would queue it in front of admitted work: only a free slot will do.
+        elif decision.position + capacity.reserved > 0 and not correction.idle:
+            # Passing it would queue it in front of admitted work: only a free slot will do
+            # (its own replica idle, as its engine reported, is one: ``extproc.level.measured``).
             slot_ms = (snapshot.outstanding_ms / snapshot.inflight if snapshot.inflight
                        else decision.service_ms) / max(capacity.batch, 1)
             decision = dataclasses.replace(decision, outcome=Outcome.REJECT,

@@ -81,6 +81,10 @@ def test_an_infeasible_request_passes_only_into_a_free_slot() -> None:
     busy = step(huge, Snapshot(8, 8_000))  # 8 slots taken: it would queue in front of others
     assert (busy.outcome, busy.reason) == (Outcome.REJECT, Reason.INFEASIBLE)
     assert busy.retry_after_ms is not None and busy.retry_after_ms > 0
+    # ... but not on its own replica when that replica's engine reported nothing to do (the
+    # pool's sum counts the slots of the others: docs/admission.md, work conservation)
+    own = step(huge, Snapshot(8, 8_000), correction=Correction(idle=True))
+    assert (own.outcome, own.reason) == (Outcome.PASS, Reason.INFEASIBLE) and own.runs
 
 
 def test_infeasible_reject_refuses_with_a_400() -> None:
