@@ -188,6 +188,35 @@ def timing_increase(old: Timing | None, new: Timing) -> Timing:
     return (new[0] - old[0], new[1] - old[1])
 
 
+def finished_since(rounds: Iterable[tuple[EngineSample | None, EngineSample]]) -> list[Bucket]:
+    """The outputs the targets finished between their previous sample and this round's
+    (``histogram_increase`` each), over the targets."""
+    out: list[Bucket] = []
+    for before, sample in rounds:
+        if sample.generation_tokens is not None:
+            out += histogram_increase(before.generation_tokens if before else None,
+                                      sample.generation_tokens)
+    return out
+
+
+def speed_since(rounds: Iterable[tuple[EngineSample | None, EngineSample]]
+                ) -> tuple[float, float] | None:
+    """The mean first-token time and inter-token latency, ms, the targets measured between
+    their previous sample and this round's (``timing_increase`` each); None unless both
+    histograms counted something."""
+    ttft, itl = [0.0, 0.0], [0.0, 0.0]
+    for before, sample in rounds:
+        for now, then, into in ((sample.ttft, before.ttft if before else None, ttft),
+                                (sample.itl, before.itl if before else None, itl)):
+            if now is not None:
+                seconds, count = timing_increase(then, now)
+                into[0] += seconds
+                into[1] += count
+    if ttft[1] <= 0 or itl[1] <= 0:
+        return None
+    return 1000.0 * ttft[0] / ttft[1], 1000.0 * itl[0] / itl[1]
+
+
 def histogram_increase(old: Cumulative | None, new: Cumulative) -> tuple[Bucket, ...]:
     """The outputs counted in each bucket between two scrapes of one engine's cumulative
     histogram, as ``(low, high, count)`` with ``count > 0``. ``old`` None (a target seen for
@@ -294,9 +323,7 @@ class EngineStats:
         self.max_age_s, self.min_coverage, self.path = max_age_s, min_coverage, path
         self._clock = clock
         self._samples: dict[str, dict[str, tuple[float, EngineSample]]] = {}
-        self._lengths: dict[str, dict[str, Cumulative]] = {}  # pool -> target -> last buckets
         self.on_lengths = on_lengths  # called once per round with the outputs finished since
-        self._timings: dict[str, dict[str, tuple[Timing | None, Timing | None]]] = {}
         self.on_speed = on_speed  # called in a round where both latency histograms moved
         self._errors: dict[str, str] = {}  # target -> last error, for logs and debugging
         self._sent: dict[str, dict[str, float]] = {}  # pool -> target -> last request sent
@@ -336,53 +363,17 @@ class EngineStats:
             if target not in targets:
                 del known[target]  # a replica that left the pool
                 sent.pop(target, None)
+        rounds = [(known[t][1] if t in known else None, sample)  # (previous, this round's)
+                  for t, sample in zip(targets, results, strict=True) if sample is not None]
         for target, sample in zip(targets, results, strict=True):
             if sample is not None:
                 known[target] = (now, sample)
-        increase = self._increase(pool, targets, results)
         if self.on_lengths is not None:
-            self.on_lengths(pool, increase)
-        speed = self._speed(pool, targets, results)
+            self.on_lengths(pool, finished_since(rounds))
+        speed = speed_since(rounds)
         if speed is not None and self.on_speed is not None:
             self.on_speed(pool, *speed)
         return self.latest(pool)
-
-    def _speed(self, pool: str, targets: Sequence[str],
-               results: Sequence[EngineSample | None]) -> tuple[float, float] | None:
-        """This round's mean first-token time and inter-token latency over the targets, ms
-        (None unless both histograms counted something); each target's sums kept."""
-        last = self._timings.setdefault(pool, {})
-        for target in list(last):
-            if target not in targets:
-                del last[target]
-        ttft, itl = [0.0, 0.0], [0.0, 0.0]
-        for target, sample in zip(targets, results, strict=True):
-            if sample is None:
-                continue
-            before = last.get(target, (None, None))
-            for now, then, into in ((sample.ttft, before[0], ttft), (sample.itl, before[1], itl)):
-                if now is not None:
-                    seconds, count = timing_increase(then, now)
-                    into[0] += seconds
-                    into[1] += count
-            last[target] = (sample.ttft, sample.itl)
-        if ttft[1] <= 0 or itl[1] <= 0:
-            return None
-        return 1000.0 * ttft[0] / ttft[1], 1000.0 * itl[0] / itl[1]
-
-    def _increase(self, pool: str, targets: Sequence[str],
-                  results: Sequence[EngineSample | None]) -> list[Bucket]:
-        """This round's finished outputs over the targets; each target's buckets kept."""
-        last = self._lengths.setdefault(pool, {})
-        for target in list(last):
-            if target not in targets:
-                del last[target]
-        out: list[Bucket] = []
-        for target, sample in zip(targets, results, strict=True):
-            if sample is not None and sample.generation_tokens is not None:
-                out += histogram_increase(last.get(target), sample.generation_tokens)
-                last[target] = sample.generation_tokens
-        return out
 
     def latest(self, pool: str) -> PoolStats:
         known = self._samples.get(pool, {})

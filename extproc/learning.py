@@ -76,12 +76,11 @@ answer whose client gave up first (past its deadline) never enters it, so where 
 are mostly such, the histogram reads them as rare, and a request's chance of missing even
 alone (``unavoidable``) reads low: on an output tail where 31 % of the admitted answers could
 not finish in time alone it read 9 %, and the level took the misses for load's doing. So the
-pool also
-keeps ``begun``: every answer the engines began, those that finished at their length and each
-cancelled stream (a streaming one: a non-streaming answer may be finished and thrown away,
-and then the engines count it themselves) as a censored observation, at least the tokens it
-had when its client left:
-``(d - ttft) / itl`` for a stream that lasted ``d``, at the first-token time and inter-token
+pool also keeps ``begun``: every answer the engines began, those that finished at their length
+and each cancelled stream (a streaming one: a non-streaming answer may be finished and thrown
+away, and then the engines count it themselves) as a censored observation, at least the
+tokens it had when its client left: ``(d - ttft) / itl`` for a stream that lasted ``d``, at
+the first-token time and inter-token
 latency the engines *measured* over their last scrape round (``engine_speed``; vLLM's
 ``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds``). Measured, not
 the decision's prediction: under overload every answer is slower than predicted, and a
@@ -351,6 +350,7 @@ class PoolLearning:
         self.lengths = Lengths(prior)
         self.begun = Lengths(prior)  # ... and the cancelled ones, censored (docstring)
         self._begun_view: Lengths | None = None  # ... with the answers in flight
+        self._abandoned_seen = False  # ``begun`` differs from ``lengths`` (else it is a copy)
         self._speed: Speed | None = None  # the engines' last measured speed
         self.class_lengths: dict[str, Lengths] = {}  # inferred from durations (docstring)
         self._asked: dict[str, float] = {}  # requests per class, decayed like the lengths
@@ -415,7 +415,7 @@ class PoolLearning:
     def unavoidable_lengths(self, service_class: str) -> Lengths:
         """The lengths a class's chance of missing even alone is read from: the answers the
         engines began, the cancelled ones included (module docstring)."""
-        if self._several():
+        if self._several() or not self._abandoned_seen:
             return self.lengths_for(service_class)
         return self._begun_view or self.begun
 
@@ -447,6 +447,7 @@ class PoolLearning:
         tokens = (seconds * 1000.0 - speed.ttft_ms) / speed.itl_ms
         if tokens >= 1.0:
             self.begun.observe(tokens, 1.0 / max(running.share, 1e-3), cut=True)
+            self._abandoned_seen = True
 
     def refresh(self, now: float) -> None:
         """Resolve the requests whose deadline has come (module docstring); and at most every
@@ -473,7 +474,8 @@ class PoolLearning:
                 pool.append(tokens)
                 by_class.setdefault(r.service_class, []).append(tokens)
         self._views = {cls: self._own(cls).censored(b) for cls, b in by_class.items()}
-        self._begun_view = self.begun.censored(pool) if pool else None
+        self._begun_view = (self.begun.censored(pool) if pool and self._abandoned_seen
+                            else None)  # (until one is abandoned, ``_views[""]`` is the same)
         if pool:
             self._views[""] = self.lengths.censored(pool)
 

@@ -382,7 +382,7 @@ class _Backend:
     def _token(self, seq: Request, now: float) -> None:
         """A token of ``seq`` came at ``now``: its first (the first-token histogram) or the
         next (the inter-token one)."""
-        if seq.generated <= 1 or not seq.first_token:
+        if not seq.first_token:
             self.ttft.observe(now - seq.arrived)
         else:
             self.itl.observe(now - seq.last_token)

@@ -18,6 +18,7 @@ from extproc.enginestats import (
     aggregate,
     correction,
     parse,
+    speed_since,
     timing_increase,
 )
 from extproc_dev.stack import Process, free_port, wait_http
@@ -99,6 +100,18 @@ def test_timing_increase_is_since_the_last_scrape_or_since_a_restart() -> None:
     assert timing_increase(None, (5.0, 50.0)) == (0.0, 0.0)  # first sight: the baseline
     assert timing_increase((5.0, 50.0), (7.0, 60.0)) == (2.0, 10.0)
     assert timing_increase((5.0, 50.0), (1.0, 4.0)) == (1.0, 4.0)  # restarted
+
+
+def test_a_rounds_speed_is_over_every_target_and_only_once_both_moved() -> None:
+    first = EngineSample(0, 1, ttft=(2.0, 10.0), itl=(1.0, 100.0))
+    # first sight of a target sets its baseline: nothing measured yet
+    assert speed_since([(None, first)]) is None
+    later = EngineSample(0, 1, ttft=(3.0, 12.0), itl=(1.5, 150.0))
+    restarted = EngineSample(0, 1, ttft=(0.5, 2.0), itl=(0.5, 30.0))
+    # (1 s + 0.5 s) over 4 first tokens, (0.5 s + 0.5 s) over 80 tokens
+    assert speed_since([(first, later), (first, restarted)]) == pytest.approx((375.0, 12.5))
+    no_first = EngineSample(0, 1, ttft=(2.0, 10.0), itl=(2.0, 200.0))
+    assert speed_since([(first, no_first)]) is None  # no new first token: no round
 
 
 def test_a_page_without_engine_metrics_is_a_failure_not_zeros() -> None:
