@@ -6,13 +6,16 @@ what production does.
 
 The model, per pool of ``R`` ready replicas, each the engine of ``extproc.engine`` (a decode
 step of ``b`` sequences at context ``c`` takes ``itl(b, c)``; a prompt is prefilled in chunks
-of the step's token budget). A request has ``P`` prompt tokens and may generate up to ``M``
-(``max_tokens`` x choices); what it will generate is unknown, so it carries two lengths from
-the pool's learned output-length distribution (``extproc.lengths``):
+of the step's token budget). A request has ``P`` prompt tokens and decodes ``s`` sequences
+(``n`` choices, prompts, ``best_of``: one, mostly), each up to ``M`` tokens (``max_tokens``);
+what each will generate is unknown, so it carries two lengths from the pool's learned
+output-length distribution (``extproc.lengths``):
 
-    typical   o = E[min(output, M)]                its expected length: what it is charged
-    promised  L = min(M, Q(q))                     the quantile ``q`` it is promised on; ``q``
-                                                   is held by feedback (``extproc.learning``)
+    typical   o = E[min(output, M)]                a sequence's expected length: what each
+                                                   is charged
+    promised  L = min(M, Q(q ** (1 / s)))          the quantile ``q`` it is promised on (of
+                                                   the longest of its ``s``); ``q`` is held
+                                                   by feedback (``extproc.learning``)
 
 and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context ``C̄ = P̄ + Ō /
 2``). With ``n`` requests in flight, ``W`` ms of work outstanding and ``K`` KV tokens held
@@ -21,13 +24,13 @@ and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context
     slots    S = min(max_num_seqs, kv_tokens / f)           a replica's batch: its sequence
                                                           limit, or what its KV cache holds
                                                           of sequences of the mean footprint
-                                                          ``f = (K + kv) / (n + 1)`` of
-                                                          those in flight and this one
-    batch    b = min(S, (n + 1) / R)                       running sequences per replica
+                                                          ``f = (K + kv) / (n + s)`` of
+                                                          those in flight and this one's
+    position p = n + min(s, S) - R x S                     its place in the engines' queues
+    batch    b = min(S, (p + R x S) / R)                   running sequences per replica
     step       = itl(b, C̄) + (b / Ō) x prefill(P̄)          a decode step, plus the prefill of
                                                           the requests that keep the batch
                                                           full (one in Ō sequences is new)
-    position p = n + 1 - R x S                             its place in the engines' queues
     wait       = 0                        if p <= 0       (a slot is free: it starts now)
                = q_w(ceil(p / R)) x W / n otherwise
                + (U / R) / (budget - b) x chunk_step       the prompts admitted before it and
@@ -36,7 +39,8 @@ and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context
                                                           token budget less its decodes
     ttft       = wait + prefill(P) + chunks(P) x itl(b, C̄) its prompt, in chunks beside the
                                                           decodes
-    completion = ttft + L x step
+    completion = ttft + ceil(s / S) x L x step             its sequences side by side, in
+                                                          rounds of a replica's batch
 
 It admits when ``completion <= deadline x safety`` and, for classes with a time-to-first-
 token objective, ``ttft <= ttft_objective x safety``.
@@ -65,6 +69,15 @@ queue for memory (``KV_CACHE``): vLLM takes a waiting request in as soon as its 
 blocks are free, and when the batch's sequences then grow into the blocks it took, it preempts
 the newest and recomputes it later; a queue that waits for memory makes the engine thrash.
 Queueing is for slots (``max_num_seqs``), where a waiting request holds nothing.
+
+A request of ``s`` sequences (``Cost.sequences``) is ``s`` requests to the engine but for its
+prompt: vLLM prefills it once and forks it, and each choice then takes a slot, holds its
+output in the KV cache and is decoded step by step beside the others on the same replica. So
+its charge is one prefill and ``s`` decodes, its footprint one prompt and ``s`` outputs, it
+needs ``s`` slots of one replica (its batch at most; more run in rounds), and it ends with
+the longest of its ``s``. Priced as one answer, ``n = 64`` took a full pool's last slot at one
+answer's charge. The ledger counts it as one entry in flight (its work and KV in full): the
+decisions after it see the slots it takes as one.
 
 Charge the typical, promise a quantile. The fleet is charged what requests will probably cost
 (charging ``max_tokens`` in full makes a busy fleet look several times busier than it is); a
@@ -163,27 +176,37 @@ class Cost:
 
     prompt_tokens: int
     output_tokens: int  # charged: max_tokens (or the pool's default) x choices, the most
-    typical_tokens: float | None = None  # ``o``; None: output_tokens (nothing known)
-    promised_tokens: float | None = None  # ``L``; None: output_tokens
-    held_tokens: float | None = None  # output in the KV cache while in flight; None: typical
+    typical_tokens: float | None = None  # ``o``, of one sequence; None: the most it may write
+    promised_tokens: float | None = None  # ``L``, of its longest sequence; None: the most
+    held_tokens: float | None = None  # a sequence's output in the KV cache; None: typical
+    # The sequences it decodes at once (``n`` choices, prompts, ``best_of``): each takes a
+    # slot, holds its own output in the KV cache and is charged its decode; they share the
+    # prompt (prefilled once and forked, as vLLM does) and run side by side, so the request
+    # ends with its longest one.
+    sequences: int = 1
+
+    @property
+    def most(self) -> float:
+        """The most one sequence may write: ``max_tokens`` (or the pool's default)."""
+        return self.output_tokens / max(1, self.sequences)
 
     @property
     def kv(self) -> float:
-        """The KV tokens it holds: its prompt and the larger of its typical output and what a
-        request in flight holds of its output (``Lengths.held``; docstring)."""
-        held = self.typical if self.held_tokens is None else min(self.held_tokens,
-                                                                  self.output_tokens)
-        return self.prompt_tokens + max(self.typical, held)
+        """The KV tokens it holds: its prompt and, for each sequence, the larger of its
+        typical output and what a request in flight holds of its output (``Lengths.held``;
+        docstring)."""
+        held = self.typical if self.held_tokens is None else min(self.held_tokens, self.most)
+        return self.prompt_tokens + max(1, self.sequences) * max(self.typical, held)
 
     @property
     def typical(self) -> float:
         o = self.typical_tokens
-        return self.output_tokens if o is None else min(self.output_tokens, o)
+        return self.most if o is None else min(self.most, o)
 
     @property
     def promised(self) -> float:
         big_l = self.promised_tokens
-        return self.output_tokens if big_l is None else min(self.output_tokens, big_l)
+        return self.most if big_l is None else min(self.most, big_l)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +263,7 @@ class Capacity:
         n, held = snapshot.inflight, snapshot.kv_tokens
         if n and not held:  # a ledger that does not keep KV tokens: the learned mix
             held = round(n * (self.mix.prompt_tokens + self.mix.output_tokens))
-        footprint = (held + cost.kv) / (n + 1)
+        footprint = (held + cost.kv) / (n + max(1, cost.sequences))
         return max(1, min(e.max_num_seqs, int(e.kv_tokens / footprint)))
 
     @property
@@ -277,7 +300,7 @@ class Capacity:
         """A request's GPU share in a full batch: its ledger charge (docstring)."""
         s = self.batch
         e = self.engine
-        return e.prefill_ms(cost.prompt_tokens) + cost.typical * e.itl_ms(
+        return e.prefill_ms(cost.prompt_tokens) + max(1, cost.sequences) * cost.typical * e.itl_ms(
             s, self.mix.context) / s
 
 
@@ -356,11 +379,26 @@ def _positions_within(position: int, replicas: int, mean_ms: float, z: float, sl
     return free + max(0, low * replicas - max(position, 0))
 
 
+def _position(n: int, cost: Cost, replicas: int, per_replica: int) -> int:
+    """Its place in the engines' queues (<= 0: room for its sequences now): ``n`` in flight,
+    and its sequences, which run on one replica, at most its batch at once (the rest in
+    rounds, as those end: ``rounds``)."""
+    return n + min(max(1, cost.sequences), max(1, per_replica)) - replicas * per_replica
+
+
+def rounds(cost: Cost, per_replica: int) -> int:
+    """How many times its replica's batch its sequences fill, one after another."""
+    return math.ceil(max(1, cost.sequences) / max(1, per_replica))
+
+
 def idle_ms(cost: Cost, capacity: Capacity) -> tuple[float, float]:
-    """``(ttft, completion)`` of the request's typical length alone on an idle replica."""
+    """``(ttft, completion)`` of the request's typical length alone on an idle replica: its
+    sequences side by side, in as many rounds as the replica's sequence limit takes them."""
     e = capacity.engine
     ttft = capacity.prefill_ms(cost.prompt_tokens, 0.0)
-    return ttft, ttft + cost.typical * e.itl_ms(1, cost.prompt_tokens + cost.typical / 2.0)
+    batch = min(max(1, cost.sequences), max(1, e.max_num_seqs))
+    context = cost.prompt_tokens + cost.typical / 2.0
+    return ttft, ttft + rounds(cost, e.max_num_seqs) * cost.typical * e.itl_ms(batch, context)
 
 
 def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
@@ -373,8 +411,8 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     if idle_done > budget or (ttft_budget is not None and idle_ttft > ttft_budget):
         return Decision(Outcome.PASS, Reason.INFEASIBLE, charge, 0.0, idle_ttft, idle_done,
                         budget, now + idle_done / 1000.0,
-                        position=snapshot.inflight + 1
-                        - capacity.replicas * capacity.batch_with(snapshot, cost),
+                        position=_position(snapshot.inflight, cost, capacity.replicas,
+                                           capacity.batch_with(snapshot, cost)),
                         step_ms=capacity.step_ms(1.0))
 
     replicas = capacity.replicas
@@ -385,8 +423,8 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else charge
     per_replica = capacity.batch_with(snapshot, cost)
-    batch = min(float(per_replica), (n + 1) / replicas)
-    position = n + 1 - replicas * per_replica
+    position = _position(n, cost, replicas, per_replica)
+    batch = min(float(per_replica), (position + replicas * per_replica) / replicas)
     if position > 0 and per_replica < capacity.engine.max_num_seqs:
         # The batch is bound by KV memory, not by slots: it would wait for memory (docstring).
         slot_ms = mean_ms / max(per_replica, 1)
@@ -406,7 +444,7 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     alone = (budget - capacity.prefill_ms(cost.prompt_tokens, 1.0)) / capacity.step_ms(1.0)
     promised = min(cost.promised, max(alone * (1.0 - 1e-9), 0.0))
     step_ms = capacity.step_ms(batch)
-    completion_ms = ttft_ms + promised * step_ms
+    completion_ms = ttft_ms + rounds(cost, per_replica) * promised * step_ms
     finish_at = now + completion_ms / 1000.0
 
     if policy.batch and position + capacity.reserved > 0:

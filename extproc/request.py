@@ -3,11 +3,15 @@
 Supported shapes (``Api``):
 - OpenAI ``/v1/chat/completions``: ``messages`` with string content or content-part arrays
   (text parts are counted; image/audio/file parts are charged a flat cost per part),
-  ``tools`` definitions, ``max_completion_tokens`` or ``max_tokens``, ``n``, ``stream``.
+  ``tools`` definitions, ``max_completion_tokens`` or ``max_tokens``, ``n`` (or ``best_of``,
+  when larger: the sequences decoded), ``stream``, and vLLM's ``min_tokens`` and
+  ``ignore_eos`` (what each sequence writes at least).
 - OpenAI ``/v1/completions``: ``prompt`` as a string, a list of strings, a token-id list or a
-  list of token-id lists (each prompt yields its own completion), ``max_tokens``, ``n``.
+  list of token-id lists (each prompt yields its own completions), ``max_tokens``, ``n``,
+  ``best_of``, ``min_tokens``, ``ignore_eos``.
 - OpenAI ``/v1/embeddings``: ``input`` in the same forms; prefill only.
-- TGI ``/generate`` and ``/generate_stream``: ``inputs`` and ``parameters.max_new_tokens``.
+- TGI ``/generate`` and ``/generate_stream``: ``inputs``, ``parameters.max_new_tokens`` and
+  ``parameters.best_of``.
 
 Anything unusable raises ``BadRequest`` with a message that names the field and never quotes
 the prompt. Ambiguous JSON is refused rather than guessed at: duplicate keys (the inference
@@ -56,7 +60,9 @@ class InferenceRequest:
     messages: int = 0  # chat messages (each costs a template overhead)
     non_text_parts: int = 0  # images, audio, files: charged a flat cost each
     max_tokens: int | None = None  # None: the pool's default applies
-    choices: int = 1  # completions generated per request (n x prompts)
+    choices: int = 1  # sequences generated per request (n or best_of, x prompts)
+    min_tokens: int = 0  # each writes at least this many (vLLM's ``min_tokens``) ...
+    ignore_eos: bool = False  # ... or all of ``max_tokens`` (``ignore_eos``)
     stream: bool = False
     prefill_only: bool = False
 
@@ -205,6 +211,27 @@ def _positive_int(doc: dict[str, Any], key: str) -> int | None:
     return value
 
 
+def _sequences(doc: dict[str, Any]) -> int:
+    """The sequences the engine decodes for each prompt: ``n``, or ``best_of`` when larger
+    (it decodes ``best_of`` and returns the best ``n``)."""
+    return max(_positive_int(doc, "n") or 1, _positive_int(doc, "best_of") or 1)
+
+
+def _least(doc: dict[str, Any], max_tokens: int | None) -> int:
+    """``min_tokens``: each sequence writes at least this many (0 when absent); at most
+    ``max_tokens``, as the engine requires."""
+    value = doc.get("min_tokens")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest("'min_tokens' must be a non-negative integer", param="min_tokens")
+    if max_tokens is not None and value > max_tokens:
+        raise BadRequest("'min_tokens' must be at most 'max_tokens'", param="min_tokens")
+    if value > MAX_COUNT:
+        raise BadRequest(f"'min_tokens' must be at most {MAX_COUNT}", param="min_tokens")
+    return value
+
+
 def _bool(doc: dict[str, Any], key: str) -> bool:
     value = doc.get(key, False)
     if value is None:
@@ -252,8 +279,10 @@ def _chat(doc: dict[str, Any]) -> InferenceRequest:
         messages=len(messages),
         non_text_parts=non_text,
         max_tokens=max_tokens,
-        choices=_positive_int(doc, "n") or 1,
+        choices=_sequences(doc),
         stream=_bool(doc, "stream"),
+        min_tokens=_least(doc, max_tokens),
+        ignore_eos=_bool(doc, "ignore_eos"),
     )
 
 
@@ -312,13 +341,16 @@ def _completions(doc: dict[str, Any]) -> InferenceRequest:
     if "prompt" not in doc:
         raise BadRequest("'prompt' is required", param="prompt")
     texts, ids, prompts = _prompts(doc["prompt"], "prompt")
+    max_tokens = _positive_int(doc, "max_tokens")
     return InferenceRequest(
         model=model,
         texts=tuple(texts),
         token_ids=ids,
-        max_tokens=_positive_int(doc, "max_tokens"),
-        choices=prompts * (_positive_int(doc, "n") or 1),
+        max_tokens=max_tokens,
+        choices=prompts * _sequences(doc),
         stream=_bool(doc, "stream"),
+        min_tokens=_least(doc, max_tokens),
+        ignore_eos=_bool(doc, "ignore_eos"),
     )
 
 
@@ -348,5 +380,6 @@ def _tgi(doc: dict[str, Any], *, stream: bool) -> InferenceRequest:
         model=_text(model, "model"),
         texts=(_text(inputs, "inputs"),),
         max_tokens=_positive_int(params, "max_new_tokens"),
+        choices=_positive_int(params, "best_of") or 1,  # TGI decodes them all, returns one
         stream=stream or _bool(doc, "stream"),
     )

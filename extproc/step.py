@@ -12,15 +12,18 @@ both with the same requests (``tests/test_step_parity.py``).
 
 What becomes of a request, beyond ``decide``:
 
-- **longer than the model's context** (``prompt + max_tokens`` past ``max_model_len``, or the
-  prompt alone when ``max_tokens`` is not sent): 400 ``context_length_exceeded``, as vLLM
-  answers it, but at once instead of after a wait in the engine's queue;
-- **its cost**: charged ``(max_tokens or the pool default) x choices``, typically the mean of
-  its class's learned lengths (capped there), promised their ``q``-quantile, ``q`` the class's
-  promise (``extproc.learning``); until the lengths hold ``PRIOR_SAMPLES`` observed outputs,
-  the first ``PRIOR_SAMPLES`` requests in flight are promised the typical length (optimistic
-  until measured, for a few: a prior's tail alone could refuse every request of a class whose
-  answers are shorter than assumed, and teach nothing);
+- **longer than the model's context** (``prompt + max_tokens`` past ``max_model_len``, each
+  choice's as vLLM counts it, or the prompt alone when ``max_tokens`` is not sent): 400
+  ``context_length_exceeded``, as vLLM answers it, but at once instead of after a wait in the
+  engine's queue;
+- **its cost**: charged ``(max_tokens or the pool default) x choices``, each choice a
+  sequence (``Cost.sequences``), typically the mean of its class's learned lengths (capped
+  there) and at least what it asked to be written (``min_tokens``; all of ``max_tokens``
+  with ``ignore_eos``), its longest promised their ``q ** (1 / choices)``-quantile, ``q`` the
+  class's promise (``extproc.learning``); until the lengths hold ``PRIOR_SAMPLES`` observed
+  outputs, the first ``PRIOR_SAMPLES`` requests in flight are promised the typical length
+  (optimistic until measured, for a few: a prior's tail alone could refuse every request of a
+  class whose answers are shorter than assumed, and teach nothing);
 - **infeasible** (its typical length would miss its deadline even on an idle replica):
   - if the client's deadline header made it so: 400 ``deadline_infeasible`` (a client-tightened
     deadline can get a request refused, never let it through unmanaged);
@@ -95,6 +98,9 @@ class Ask:
     # finishes there (``extproc.learning``, "Answers nobody waited for"). A non-streaming
     # answer may be finished and thrown away, and then the engines count it themselves.
     streaming: bool = True
+    # The tokens each sequence writes at least: ``min_tokens``, or all it may with
+    # ``ignore_eos`` (vLLM's sampling parameters: the engine stops no earlier).
+    least_tokens: int = 0
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -180,9 +186,11 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
     and the promised one from the pool's learned lengths and the class's promise."""
     if ask.prefill_only:
         return Cost(ask.prompt_tokens, 0, 0.0, 0.0)
-    charged = (ask.max_tokens or pool.default_max_tokens) * max(1, ask.choices)
+    most = ask.max_tokens or max(pool.default_max_tokens, ask.least_tokens)
+    sequences = max(1, ask.choices)
+    least = min(ask.least_tokens, most)  # what it asked to be written at least
     lengths = learning.lengths_for(ask.service_class)
-    typical = lengths.mean(charged)
+    typical = max(lengths.mean(most), least)
     if ask.known_output_tokens is not None:
         promised = float(ask.known_output_tokens)
     elif (lengths.seen < PRIOR_SAMPLES
@@ -193,8 +201,12 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
         # objectives before the first answer ends.
         promised = typical
     else:
-        promised = lengths.quantile(learning.promise(ask.service_class).quantile)
-    return Cost(ask.prompt_tokens, charged, typical, promised, lengths.held(charged))
+        # Its longest sequence: of ``s`` independent answers, all are within the ``q``-quantile
+        # of one only with probability ``q ** s``; so the longest is promised ``q ** (1 / s)``.
+        q = learning.promise(ask.service_class).quantile
+        promised = max(lengths.quantile(q ** (1.0 / sequences)), least)
+    return Cost(ask.prompt_tokens, most * sequences, typical, promised,
+                max(lengths.held(most), least), sequences=sequences)
 
 
 def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
@@ -228,7 +240,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
     policy = waited(whole, ask.waited_ms)
     cost = cost_of(ask, pool, learning)
     limit = pool.engine.max_model_len
-    asked = ask.prompt_tokens + (ask.max_tokens or 0) * max(1, ask.choices)
+    asked = ask.prompt_tokens + (ask.max_tokens or 0)  # each sequence's context
     if asked > limit or ask.prompt_tokens >= limit:
         too_long = BadRequest(
             f"This model's maximum context length is {limit} tokens; the request asks for"
@@ -370,7 +382,7 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Co
     grows = math.ceil(learning.demand.reserve(now)) if batch else 0
     mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
     mean_kv = (snapshot.kv_tokens / n) if n else cost.kv
-    after = Snapshot(n + 1 + reserve,
+    after = Snapshot(n + max(1, cost.sequences) + reserve,
                      snapshot.outstanding_ms + decision.service_ms + grows * mean_ms,
                      round(snapshot.kv_tokens + cost.kv + grows * mean_kv),
                      snapshot.prefill_tokens + cost.prompt_tokens)
@@ -393,7 +405,7 @@ def miss_chance(cost: Cost, decision: Decision, policy: Policy, learning: PoolLe
     if cost.output_tokens <= 0 or decision.step_ms <= 0:
         return 0.0
     fits = (policy.deadline_ms - decision.ttft_ms) / decision.step_ms
-    if fits >= cost.output_tokens:
+    if fits >= cost.most:
         return 0.0
     return learning.lengths_for(policy_class).survival(max(0.0, fits))
 
@@ -407,7 +419,7 @@ def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLe
     e = capacity.engine
     room_ms = policy.budget_ms - capacity.prefill_ms(cost.prompt_tokens, 0.0)
     longest = room_ms / e.itl_ms(1, cost.prompt_tokens)
-    if longest >= cost.output_tokens:
+    if longest >= cost.most:
         return 0.0
     if not math.isfinite(longest):
         return 0.0

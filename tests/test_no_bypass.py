@@ -82,3 +82,42 @@ async def test_no_request_shape_reaches_a_saturated_fleet_out_of_turn(
         ok = await client.chat.completions.create(model="m", max_tokens=5, messages=hello,
                                                   extra_body={"extproc_output_tokens": 5})
         assert ok.usage is not None and ok.usage.completion_tokens == 5
+
+
+async def test_choices_are_sequences_n_takes_n_slots(stack_factory: Any) -> None:
+    """``n`` choices are ``n`` sequences in the engine: with two of four slots taken, through
+    real Envoy with the SDK, ``n = 2`` is admitted and ``n = 4`` refused (priced as one answer,
+    it took a slot the way ``n = 1`` does)."""
+    stack: LocalStack = stack_factory(
+        {"pools": [pool(replicas=1, max_num_seqs=4, default_max_tokens=512)],
+         "classes": {"latency": {"deadline_ms": 30_000, "ttft_ms": 2_000}}},
+        backend_args=["--max-num-seqs", "4"])
+    async with httpx.AsyncClient(timeout=60.0) as http:
+        client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused",
+                                    http_client=http, max_retries=0)
+
+        async def hold() -> None:
+            stream = await client.chat.completions.create(
+                model="m", max_tokens=400, stream=True, extra_body=HOLD,
+                messages=[{"role": "user", "content": "hold a slot"}])
+            async for _ in stream:
+                pass
+
+        holders = [asyncio.create_task(hold()) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 10
+            while engine_holds(stack) != (2.0, 0.0):
+                assert time.monotonic() < deadline, engine_holds(stack)
+                await asyncio.sleep(0.05)
+            hello = [{"role": "user", "content": "hello"}]
+            with pytest.raises(openai.RateLimitError):
+                await client.chat.completions.create(model="m", max_tokens=20, n=4,
+                                                     messages=hello)
+            two = await client.chat.completions.create(
+                model="m", max_tokens=20, n=2, messages=hello,
+                extra_body={"extproc_output_tokens": 5})
+            assert two.choices
+        finally:
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)

@@ -55,6 +55,32 @@ def test_max_completion_tokens_wins_over_max_tokens_and_n_multiplies() -> None:
     assert r.max_tokens == 20 and r.choices == 3
 
 
+def test_best_of_decodes_that_many_sequences_and_ignore_eos_or_min_tokens_set_a_least() -> None:
+    r = parse(Api.OPENAI_COMPLETIONS, body({"model": "m", "prompt": ["a", "b"], "n": 2,
+                                            "best_of": 5, "max_tokens": 50, "min_tokens": 20}))
+    assert (r.choices, r.min_tokens, r.ignore_eos) == (10, 20, False)
+    r = parse(Api.OPENAI_CHAT, chat(max_tokens=40, ignore_eos=True))
+    assert (r.choices, r.min_tokens, r.ignore_eos) == (1, 0, True)
+    tgi = parse(Api.TGI_GENERATE, body({"inputs": "x", "parameters": {"best_of": 2}}),
+                path="/generate")
+    assert tgi.choices == 2
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_tokens": "10"}, "min_tokens"),
+    ({"min_tokens": 11, "max_tokens": 10}, "min_tokens"),
+    ({"ignore_eos": "true"}, "ignore_eos"),
+    ({"best_of": 0}, "best_of"),
+])
+def test_what_sets_the_least_or_the_sequences_is_400_when_unusable(fields: dict[str, Any],
+                                                                  param: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse(Api.OPENAI_CHAT, chat(**fields))
+    assert err.value.param == param
+
+
 def test_absent_or_null_max_tokens_means_pool_default() -> None:
     assert parse(Api.OPENAI_CHAT, chat()).max_tokens is None
     assert parse(Api.OPENAI_CHAT, chat(max_tokens=None)).max_tokens is None

@@ -66,6 +66,53 @@ def test_longer_than_the_model_is_refused_at_once_as_the_engine_would() -> None:
     assert step(Ask("latency", 8000, None)).reason is not Reason.CONTEXT_LENGTH  # none sent
 
 
+def test_each_of_n_choices_is_a_sequence_charged_its_slot_its_kv_and_its_decode() -> None:
+    """A request asking for ``n`` choices makes the engine decode ``n`` sequences: priced as
+    one, ``n = 64`` would take a pool's last slot at one answer's charge (measured before: the
+    same charge, KV and decision for ``n`` 1, 4 and 64)."""
+    learning = learning_for(POOL)
+    for _ in range(200):
+        learning.finished(100)
+    one, four = (admit(Ask("latency", 500, 200, choices=n), POOL, CONFIG, learning, IDLE, 2,
+                       0.0) for n in (1, 4))
+    assert four.cost.typical == one.cost.typical  # each sequence's
+    assert four.cost.kv - 500 == pytest.approx(4 * (one.cost.kv - 500))  # the prompt is shared
+    prefill = four.decision.service_ms - 4 * (one.decision.service_ms)
+    assert prefill < 0  # the decode of each of the four, one prefill
+    assert four.decision.service_ms > 3 * one.decision.service_ms
+    # the longest of four is promised a higher quantile of one answer's lengths
+    assert four.cost.promised >= one.cost.promised
+    # seven of eight slots taken: one choice fits, four do not (they would queue)
+    busy = Snapshot(7, 7 * one.decision.service_ms)
+    assert admit(Ask("latency", 500, 200), POOL, CONFIG, learning, busy, 2, 0.0).runs
+    refused = admit(Ask("latency", 500, 200, choices=4), POOL, CONFIG, learning, busy, 2, 0.0)
+    assert not refused.runs and refused.decision.position == 3
+
+
+def test_more_choices_than_a_replica_has_slots_start_on_an_idle_pool_and_run_in_rounds() -> None:
+    many = step(Ask("throughput", 500, 100, choices=10))  # 4 slots a replica: three rounds
+    assert many.runs and many.decision.position <= 0
+    one = step(Ask("throughput", 500, 100)).decision
+    decoding = many.decision.completion_ms - many.decision.ttft_ms
+    assert decoding > 2.5 * (one.completion_ms - one.ttft_ms)
+
+
+def test_min_tokens_and_ignore_eos_set_the_least_each_sequence_is_charged() -> None:
+    plain = step(Ask("latency", 500, 300))
+    least = step(Ask("latency", 500, 300, least_tokens=250))
+    assert plain.cost.typical == pytest.approx(100, rel=0.1)
+    assert least.cost.typical == least.cost.promised == 250
+    assert least.decision.service_ms > 2 * plain.decision.service_ms
+    # without max_tokens, the engine writes min_tokens even past the pool's default
+    assert step(Ask("throughput", 500, None, least_tokens=3000)).cost.typical == 3000
+
+
+def test_the_context_limit_is_each_sequences_not_their_sum() -> None:
+    """vLLM checks each sequence's prompt and ``max_tokens`` against the model's length."""
+    assert step(Ask("throughput", 1000, 4000, choices=3)).outcome is not Outcome.INVALID
+    assert step(Ask("throughput", 1000, 8000, choices=1)).outcome is Outcome.INVALID
+
+
 def test_a_client_tightened_deadline_can_refuse_a_request_never_pass_it() -> None:
     adm = step(Ask("latency", 500, 200, deadline_ms=1.0))
     assert (adm.outcome, adm.reason) == (Outcome.INVALID, Reason.INFEASIBLE)
