@@ -12,6 +12,10 @@ Supported shapes (``Api``):
 - OpenAI ``/v1/embeddings``: ``input`` in the same forms; prefill only.
 - TGI ``/generate`` and ``/generate_stream``: ``inputs``, ``parameters.max_new_tokens`` and
   ``parameters.best_of``.
+- OpenAI's Responses API (``/v1/responses``) and Anthropic's Messages API (``/v1/messages``),
+  which vLLM serves as well: every string of their input but the labels (``_strings``) is
+  prompt; ``max_output_tokens`` / ``max_tokens``.
+- SageMaker's ``/invocations``: a chat, completion or embedding body, as its keys say.
 
 Anything unusable raises ``BadRequest`` with a message that names the field and never quotes
 the prompt. Ambiguous JSON is refused rather than guessed at: duplicate keys (the inference
@@ -77,6 +81,12 @@ def parse(api: Api, body: bytes, *, path: str = "") -> InferenceRequest:
         return _completions(doc)
     if api is Api.OPENAI_EMBEDDINGS:
         return _embeddings(doc)
+    if api is Api.OPENAI_RESPONSES:
+        return _responses(doc)
+    if api is Api.ANTHROPIC_MESSAGES:
+        return _messages(doc)
+    if api is Api.SAGEMAKER_INVOCATIONS:
+        return _invocations(doc)
     return _tgi(doc, stream=canonical_path(path).endswith("_stream"))
 
 
@@ -352,6 +362,80 @@ def _completions(doc: dict[str, Any]) -> InferenceRequest:
         min_tokens=_least(doc, max_tokens),
         ignore_eos=_bool(doc, "ignore_eos"),
     )
+
+
+# Keys whose strings name a shape, not text a model reads (``_strings``).
+_LABELS = frozenset({"type", "role", "id", "call_id", "status", "name", "model",
+                     "media_type", "cache_control", "tool_use_id", "signature"})
+
+
+# Blocks that carry an image, audio or a file (charged a flat cost each, as chat's parts).
+_MEDIA = frozenset({"image", "input_image", "image_url", "input_audio", "input_file", "document",
+                    "file", "audio"})
+
+
+def _strings(value: Any, param: str, out: list[str]) -> int:
+    """Every string in ``value`` but the labels (``_LABELS``), the text of a request whose
+    items take many shapes (messages, content blocks, tool calls and results), counted as
+    prompt; returns the media blocks (``_MEDIA``), whose bytes are not text. A label counted
+    costs a token or two; a text left out would be a way around."""
+    media = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(_text(item, param))
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if item.get("type") in _MEDIA:
+                media += 1
+            else:
+                stack.extend(v for k, v in item.items() if k not in _LABELS)
+    return media
+
+
+def _responses(doc: dict[str, Any]) -> InferenceRequest:
+    """OpenAI's Responses API (vLLM's ``/v1/responses``): ``input`` (a string or items),
+    ``instructions``, ``tools``, ``max_output_tokens``."""
+    model = _model(doc)
+    if not isinstance(doc.get("input"), (str, list)) or not doc["input"]:
+        raise BadRequest("'input' must be a non-empty string or array", param="input")
+    texts: list[str] = []
+    media = sum(_strings(doc.get(key), key, texts) for key in ("input", "instructions", "tools"))
+    items = doc["input"]
+    return InferenceRequest(
+        model=model, texts=tuple(texts), messages=len(items) if isinstance(items, list) else 1,
+        non_text_parts=media, max_tokens=_positive_int(doc, "max_output_tokens"),
+        stream=_bool(doc, "stream"))
+
+
+def _messages(doc: dict[str, Any]) -> InferenceRequest:
+    """Anthropic's Messages API (vLLM's ``/v1/messages``): ``messages`` whose content is a
+    string or blocks, ``system``, ``tools``, ``max_tokens``."""
+    model = _model(doc)
+    messages = doc.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    texts: list[str] = []
+    media = sum(_strings(doc.get(key), key, texts) for key in ("messages", "system", "tools"))
+    return InferenceRequest(
+        model=model, texts=tuple(texts), messages=len(messages), non_text_parts=media,
+        max_tokens=_positive_int(doc, "max_tokens"), stream=_bool(doc, "stream"),
+        min_tokens=_least(doc, _positive_int(doc, "max_tokens")))
+
+
+def _invocations(doc: dict[str, Any]) -> InferenceRequest:
+    """SageMaker's ``/invocations`` (vLLM serves it): a chat, completion or embedding
+    request, told apart by its body as vLLM tells them."""
+    if "messages" in doc:
+        return _chat(doc)
+    if "prompt" in doc:
+        return _completions(doc)
+    if "input" in doc:
+        return _embeddings(doc)
+    raise BadRequest("an /invocations body must be a chat ('messages'), completion ('prompt')"
+                     " or embedding ('input') request")
 
 
 def _embeddings(doc: dict[str, Any]) -> InferenceRequest:

@@ -21,7 +21,8 @@ from extproc import config
 from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 
-ADMISSION_PATHS = {"/v1/chat/completions", "/v1/completions"}
+ADMISSION_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                   "/invocations"}
 SPELLINGS = [
     "/v1/chat%2Fcompletions", "/v1/chat%2fcompletions", "/%761/chat/completions",
     "/v1/chat/%63ompletions", "//v1/chat/completions", "/v1//chat/completions",
@@ -143,3 +144,32 @@ def access_log(stack: LocalStack, want: int, timeout: float = 15.0) -> list[dict
             return lines
         assert time.monotonic() < deadline, lines
         time.sleep(0.2)
+
+
+@pytest.mark.integration
+def test_the_other_generation_paths_vllm_serves_are_decided_too(
+        stack_factory: Any, upstream: DecodingUpstream) -> None:
+    """vLLM generates on ``/v1/responses``, ``/v1/messages`` and SageMaker's ``/invocations``
+    as well as on the chat and completion paths: each is an admission route by default, or a
+    client could take any of them around the decision. A hopeless request on each is refused
+    before the upstream, an ordinary one reaches it under its own path."""
+    stack: LocalStack = stack_factory(
+        {"pools": [pool(replicas=1, max_num_seqs=4)]}, backends=0,
+        envoy={"backends": (("127.0.0.1", upstream.port),)})
+    hi = [{"role": "user", "content": "hi"}]
+    bodies = {
+        "/v1/responses": lambda most: {"model": "m", "input": "hi", "max_output_tokens": most},
+        "/v1/messages": lambda most: {"model": "m", "messages": hi, "max_tokens": most},
+        "/invocations": lambda most: {"model": "m", "messages": hi, "max_tokens": most},
+    }
+    with httpx.Client(timeout=30.0) as http:
+        refused = {path: http.post(stack.url + path, json=make(10**9))
+                   for path, make in bodies.items()}
+        assert upstream.seen == [], upstream.seen
+        assert {path: r.status_code for path, r in refused.items()} == dict.fromkeys(bodies, 400)
+        assert all(r.json()["error"]["code"] == "context_length_exceeded"
+                   for r in refused.values())
+        for path, make in bodies.items():
+            assert http.post(stack.url + path, json=make(16)).status_code == 200, path
+    assert [path for path, _ in upstream.seen] == list(bodies)
+

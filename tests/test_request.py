@@ -81,6 +81,58 @@ def test_what_sets_the_least_or_the_sequences_is_400_when_unusable(fields: dict[
     assert err.value.param == param
 
 
+def test_the_responses_api_counts_every_text_of_its_input_and_not_its_images() -> None:
+    r = parse(Api.OPENAI_RESPONSES, body({
+        "model": "m", "instructions": "be brief", "max_output_tokens": 50, "stream": True,
+        "tools": [{"type": "function", "name": "f", "description": "looks things up"}],
+        "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "hello there"},
+            {"type": "input_image", "image_url": "data:image/png;base64," + "A" * 10_000}]},
+                  {"type": "function_call_output", "call_id": "c1", "output": "42 results"}]}))
+    assert sorted(r.texts) == ["42 results", "be brief", "hello there", "looks things up"]
+    assert (r.max_tokens, r.stream, r.non_text_parts, r.messages) == (50, True, 1, 2)
+    assert parse(Api.OPENAI_RESPONSES, body({"model": "m", "input": "hi"})).texts == ("hi",)
+
+
+def test_the_messages_api_counts_system_messages_and_tools() -> None:
+    r = parse(Api.ANTHROPIC_MESSAGES, body({
+        "model": "m", "max_tokens": 30, "system": [{"type": "text", "text": "sys"}],
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": "t",
+                                                        "name": "f", "input": {"q": "x"}}]},
+                     {"role": "user", "content": [
+                         {"type": "image", "source": {"type": "base64", "data": "A" * 999}},
+                         {"type": "tool_result", "tool_use_id": "t", "content": "found"}]}]}))
+    assert sorted(r.texts) == ["found", "hi", "sys", "x"]
+    assert (r.max_tokens, r.non_text_parts, r.messages) == (30, 1, 3)
+
+
+@pytest.mark.parametrize("doc, api_of", [
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "chat"),
+    ({"model": "m", "prompt": ["a", "b"]}, "completions"),
+    ({"model": "m", "input": "x"}, "embeddings"),
+])
+def test_invocations_are_read_as_the_request_their_body_is(doc: dict[str, Any],
+                                                           api_of: str) -> None:
+    r = parse(Api.SAGEMAKER_INVOCATIONS, body(doc))
+    assert (r.choices, r.prefill_only) == {"chat": (2, False), "completions": (2, False),
+                                           "embeddings": (0, True)}[api_of]
+
+
+@pytest.mark.parametrize("api, doc, param", [
+    (Api.OPENAI_RESPONSES, {"model": "m", "input": []}, "input"),
+    (Api.OPENAI_RESPONSES, {"model": "m", "input": "x", "max_output_tokens": 0},
+     "max_output_tokens"),
+    (Api.ANTHROPIC_MESSAGES, {"model": "m", "messages": "hi"}, "messages"),
+    (Api.SAGEMAKER_INVOCATIONS, {"model": "m", "text": "hi"}, None),
+])
+def test_unusable_bodies_on_the_other_generation_paths_are_400(api: Api, doc: dict[str, Any],
+                                                               param: str | None) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse(api, body(doc))
+    assert err.value.param == param
+
+
 def test_absent_or_null_max_tokens_means_pool_default() -> None:
     assert parse(Api.OPENAI_CHAT, chat()).max_tokens is None
     assert parse(Api.OPENAI_CHAT, chat(max_tokens=None)).max_tokens is None

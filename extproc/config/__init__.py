@@ -102,6 +102,9 @@ class Api(StrEnum):
     OPENAI_COMPLETIONS = "openai_completions"
     OPENAI_EMBEDDINGS = "openai_embeddings"
     TGI_GENERATE = "tgi_generate"
+    OPENAI_RESPONSES = "openai_responses"
+    ANTHROPIC_MESSAGES = "anthropic_messages"
+    SAGEMAKER_INVOCATIONS = "sagemaker_invocations"
 
 
 def _zero_is_none(value: Any) -> Any:
@@ -240,6 +243,10 @@ DEFAULT_ROUTES: list[dict[str, Any]] = [
     {"path": "/v1/embeddings", "api": "openai_embeddings", "class": "throughput"},
     {"path": "/generate", "api": "tgi_generate", "class": "latency"},
     {"path": "/generate_stream", "api": "tgi_generate", "class": "latency"},
+    # vLLM serves generation on these too: left out, they would be ways around admission
+    {"path": "/v1/responses", "api": "openai_responses", "class": "latency"},
+    {"path": "/v1/messages", "api": "anthropic_messages", "class": "latency"},
+    {"path": "/invocations", "api": "sagemaker_invocations", "class": "latency"},
 ]
 
 Classes = Annotated[Mapping[str, ClassPolicy], BeforeValidator(_with_default_classes)]
@@ -277,7 +284,7 @@ class Config:
     0.8) and throughput (600 s, 0.9, batch)."""
     routes: tuple[Route, ...] = Field(
         default_factory=lambda: TypeAdapter(tuple[Route, ...]).validate_python(DEFAULT_ROUTES))
-    """Paths decided on; absent: the OpenAI and TGI paths. Other paths pass."""
+    """Paths decided on; absent: every generation path vLLM and TGI serve. Other paths pass."""
     listen: Address = "127.0.0.1:50051"
     """The ext_proc gRPC server: HOST:PORT or unix:PATH."""
     metrics_listen: Address = "127.0.0.1:9464"
