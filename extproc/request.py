@@ -16,6 +16,8 @@ Supported shapes (``Api``):
   which vLLM serves as well: every string of their input but the labels (``_strings``) is
   prompt; ``max_output_tokens`` / ``max_tokens``.
 - SageMaker's ``/invocations``: a chat, completion or embedding body, as its keys say.
+- vLLM's pooling paths (``/pooling``, ``/classify``, ``/score``, ``/rerank``): prefill only,
+  every string but the labels, a query once per document it is scored against.
 
 Anything unusable raises ``BadRequest`` with a message that names the field and never quotes
 the prompt. Ambiguous JSON is refused rather than guessed at: duplicate keys (the inference
@@ -87,6 +89,8 @@ def parse(api: Api, body: bytes, *, path: str = "") -> InferenceRequest:
         return _messages(doc)
     if api is Api.SAGEMAKER_INVOCATIONS:
         return _invocations(doc)
+    if api is Api.POOLING:
+        return _pooling(doc)
     return _tgi(doc, stream=canonical_path(path).endswith("_stream"))
 
 
@@ -423,6 +427,25 @@ def _messages(doc: dict[str, Any]) -> InferenceRequest:
         model=model, texts=tuple(texts), messages=len(messages), non_text_parts=media,
         max_tokens=_positive_int(doc, "max_tokens"), stream=_bool(doc, "stream"),
         min_tokens=_least(doc, _positive_int(doc, "max_tokens")))
+
+
+def _pooling(doc: dict[str, Any]) -> InferenceRequest:
+    """vLLM's pooling models (``/pooling``, ``/classify``, ``/score``, ``/rerank``): prefill
+    only, every string but the labels. A query scored against ``n`` documents is prefilled
+    with each of them, ``n`` times (``query`` / ``text_1`` beside a list)."""
+    model = doc.get("model") or ""
+    if not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    texts: list[str] = []
+    media = 0
+    for one, many in (("query", "documents"), ("text_1", "text_2"), ("queries", "documents")):
+        if isinstance(doc.get(one), str) and isinstance(doc.get(many), list):
+            texts.extend([_text(doc[one], one)] * max(0, len(doc[many]) - 1))
+    media += _strings({k: v for k, v in doc.items() if k != "model"}, "input", texts)
+    if not texts and not media:
+        raise BadRequest("a pooling request must carry text to read")
+    return InferenceRequest(model=_text(model, "model"), texts=tuple(texts), choices=0,
+                            non_text_parts=media, prefill_only=True)
 
 
 def _invocations(doc: dict[str, Any]) -> InferenceRequest:

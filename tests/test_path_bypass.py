@@ -22,7 +22,7 @@ from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 
 ADMISSION_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                   "/invocations"}
+                   "/invocations", "/v1/rerank"}
 SPELLINGS = [
     "/v1/chat%2Fcompletions", "/v1/chat%2fcompletions", "/%761/chat/completions",
     "/v1/chat/%63ompletions", "//v1/chat/completions", "/v1//chat/completions",
@@ -150,8 +150,9 @@ def access_log(stack: LocalStack, want: int, timeout: float = 15.0) -> list[dict
 def test_the_other_generation_paths_vllm_serves_are_decided_too(
         stack_factory: Any, upstream: DecodingUpstream) -> None:
     """vLLM generates on ``/v1/responses``, ``/v1/messages`` and SageMaker's ``/invocations``
-    as well as on the chat and completion paths: each is an admission route by default, or a
-    client could take any of them around the decision. A hopeless request on each is refused
+    as well as on the chat and completion paths, and its pooling models prefill on ``/rerank``
+    and its kin: each is an admission route by default, or a client could take any of them
+    around the decision. A hopeless request on each is refused
     before the upstream, an ordinary one reaches it under its own path."""
     stack: LocalStack = stack_factory(
         {"pools": [pool(replicas=1, max_num_seqs=4)]}, backends=0,
@@ -161,6 +162,9 @@ def test_the_other_generation_paths_vllm_serves_are_decided_too(
         "/v1/responses": lambda most: {"model": "m", "input": "hi", "max_output_tokens": most},
         "/v1/messages": lambda most: {"model": "m", "messages": hi, "max_tokens": most},
         "/invocations": lambda most: {"model": "m", "messages": hi, "max_tokens": most},
+        # a pooling model's: a query against a document longer than the model's context
+        "/v1/rerank": lambda most: {"model": "m", "query": "q", "documents": [
+            "lorem ipsum " * (100_000 if most > 16 else 1)]},
     }
     with httpx.Client(timeout=30.0) as http:
         refused = {path: http.post(stack.url + path, json=make(10**9))

@@ -119,6 +119,16 @@ def test_invocations_are_read_as_the_request_their_body_is(doc: dict[str, Any],
                                            "embeddings": (0, True)}[api_of]
 
 
+def test_a_pooling_request_prefills_its_query_once_per_document() -> None:
+    r = parse(Api.POOLING, body({"model": "r", "query": "q", "documents": ["d1", "d2", "d3"]}))
+    assert sorted(r.texts) == ["d1", "d2", "d3", "q", "q", "q"]
+    assert (r.prefill_only, r.choices) == (True, 0)
+    assert sorted(parse(Api.POOLING, body({"text_1": "a", "text_2": ["b", "c"]})).texts) == [
+        "a", "a", "b", "c"]
+    with pytest.raises(BadRequest):
+        parse(Api.POOLING, body({"model": "r"}))
+
+
 @pytest.mark.parametrize("api, doc, param", [
     (Api.OPENAI_RESPONSES, {"model": "m", "input": []}, "input"),
     (Api.OPENAI_RESPONSES, {"model": "m", "input": "x", "max_output_tokens": 0},

@@ -105,6 +105,7 @@ class Api(StrEnum):
     OPENAI_RESPONSES = "openai_responses"
     ANTHROPIC_MESSAGES = "anthropic_messages"
     SAGEMAKER_INVOCATIONS = "sagemaker_invocations"
+    POOLING = "pooling"
 
 
 def _zero_is_none(value: Any) -> Any:
@@ -247,6 +248,9 @@ DEFAULT_ROUTES: list[dict[str, Any]] = [
     {"path": "/v1/responses", "api": "openai_responses", "class": "latency"},
     {"path": "/v1/messages", "api": "anthropic_messages", "class": "latency"},
     {"path": "/invocations", "api": "sagemaker_invocations", "class": "latency"},
+    # ... and vLLM's pooling models (prefill only) on these
+    *({"path": path, "api": "pooling", "class": "throughput"} for path in (
+        "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")),
 ]
 
 Classes = Annotated[Mapping[str, ClassPolicy], BeforeValidator(_with_default_classes)]
