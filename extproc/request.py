@@ -14,7 +14,9 @@ Supported shapes (``Api``):
   ``parameters.best_of``.
 - OpenAI's Responses API (``/v1/responses``) and Anthropic's Messages API (``/v1/messages``),
   which vLLM serves as well: every string of their input but the labels (``_strings``) is
-  prompt; ``max_output_tokens`` / ``max_tokens``.
+  prompt; ``max_output_tokens`` / ``max_tokens``. A Responses request's
+  ``previous_response_id`` is not read: the conversation vLLM stores for it (only with
+  ``VLLM_ENABLE_RESPONSES_API_STORE=1``, off by default) is not in the body.
 - SageMaker's ``/invocations``: a chat, completion or embedding body, as its keys say.
 - vLLM's pooling paths (``/pooling``, ``/classify``, ``/score``, ``/rerank``): prefill only,
   every string but the labels, a query once per document it is scored against.
