@@ -46,7 +46,7 @@ behind vLLM, does not; TGI wants ``application/json``).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,21 +79,9 @@ def parse(api: Api, body: bytes, *, path: str = "") -> InferenceRequest:
     doc = _load(body)
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
-    if api is Api.OPENAI_CHAT:
-        return _chat(doc)
-    if api is Api.OPENAI_COMPLETIONS:
-        return _completions(doc)
-    if api is Api.OPENAI_EMBEDDINGS:
-        return _embeddings(doc)
-    if api is Api.OPENAI_RESPONSES:
-        return _responses(doc)
-    if api is Api.ANTHROPIC_MESSAGES:
-        return _messages(doc)
-    if api is Api.SAGEMAKER_INVOCATIONS:
-        return _invocations(doc)
-    if api is Api.POOLING:
-        return _pooling(doc)
-    return _tgi(doc, stream=canonical_path(path).endswith("_stream"))
+    if api is Api.TGI_GENERATE:
+        return _tgi(doc, stream=canonical_path(path).endswith("_stream"))
+    return _READERS[api](doc)
 
 
 def _reject_constant(name: str) -> Any:
@@ -492,3 +480,11 @@ def _tgi(doc: dict[str, Any], *, stream: bool) -> InferenceRequest:
         choices=_positive_int(params, "best_of") or 1,  # TGI decodes them all, returns one
         stream=stream or _bool(doc, "stream"),
     )
+
+
+_READERS: dict[Api, Callable[[dict[str, Any]], InferenceRequest]] = {
+    Api.OPENAI_CHAT: _chat, Api.OPENAI_COMPLETIONS: _completions,
+    Api.OPENAI_EMBEDDINGS: _embeddings, Api.OPENAI_RESPONSES: _responses,
+    Api.ANTHROPIC_MESSAGES: _messages, Api.SAGEMAKER_INVOCATIONS: _invocations,
+    Api.POOLING: _pooling,
+}

@@ -6,7 +6,9 @@ queue, while an ordinary request is refused the same way and admitted once a slo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -26,6 +28,32 @@ def engine_holds(stack: LocalStack) -> tuple[float, float]:
     return (scrape(url, "vllm:num_requests_running"), scrape(url, "vllm:num_requests_waiting"))
 
 
+@contextlib.asynccontextmanager
+async def slots_held(stack: LocalStack, client: openai.AsyncOpenAI,
+                     slots: int) -> AsyncIterator[None]:
+    """``slots`` streams decoding long answers (the engine running them all, none waiting),
+    cancelled on the way out."""
+
+    async def hold() -> None:
+        stream = await client.chat.completions.create(
+            model="m", max_tokens=400, stream=True, extra_body=HOLD,
+            messages=[{"role": "user", "content": "hold a slot"}])
+        async for _ in stream:
+            pass
+
+    holders = [asyncio.create_task(hold()) for _ in range(slots)]
+    try:
+        deadline = time.monotonic() + 10
+        while engine_holds(stack) != (float(slots), 0.0):
+            assert time.monotonic() < deadline, engine_holds(stack)
+            await asyncio.sleep(0.05)
+        yield
+    finally:
+        for task in holders:
+            task.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+
+
 async def test_no_request_shape_reaches_a_saturated_fleet_out_of_turn(
         stack_factory: Any) -> None:
     stack: LocalStack = stack_factory(
@@ -37,19 +65,7 @@ async def test_no_request_shape_reaches_a_saturated_fleet_out_of_turn(
         client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused",
                                     http_client=http, max_retries=0)
 
-        async def hold() -> None:
-            stream = await client.chat.completions.create(
-                model="m", max_tokens=400, stream=True, extra_body=HOLD,
-                messages=[{"role": "user", "content": "hold a slot"}])
-            async for _ in stream:
-                pass
-
-        holders = [asyncio.create_task(hold()) for _ in range(2)]
-        try:
-            deadline = time.monotonic() + 10
-            while engine_holds(stack) != (2.0, 0.0):
-                assert time.monotonic() < deadline, engine_holds(stack)
-                await asyncio.sleep(0.05)
+        async with slots_held(stack, client, 2):
 
             async def attempt(name: str, **kwargs: Any) -> None:
                 try:
@@ -68,10 +84,6 @@ async def test_no_request_shape_reaches_a_saturated_fleet_out_of_turn(
                           messages=[{"role": "user", "content": ""}] * 10_000)
             await attempt("2 MiB prompt", max_tokens=10,
                           messages=[{"role": "user", "content": "lorem ipsum " * 174_763}])
-        finally:
-            for task in holders:
-                task.cancel()
-            await asyncio.gather(*holders, return_exceptions=True)
         assert statuses == {"ordinary": 429, "max_tokens 4096": 429, "deadline 1 ms": 400,
                             "10,000 empty messages": 429, "2 MiB prompt": 400}
         # and with the slots free again, the ordinary request goes through
@@ -96,19 +108,7 @@ async def test_choices_are_sequences_n_takes_n_slots(stack_factory: Any) -> None
         client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused",
                                     http_client=http, max_retries=0)
 
-        async def hold() -> None:
-            stream = await client.chat.completions.create(
-                model="m", max_tokens=400, stream=True, extra_body=HOLD,
-                messages=[{"role": "user", "content": "hold a slot"}])
-            async for _ in stream:
-                pass
-
-        holders = [asyncio.create_task(hold()) for _ in range(2)]
-        try:
-            deadline = time.monotonic() + 10
-            while engine_holds(stack) != (2.0, 0.0):
-                assert time.monotonic() < deadline, engine_holds(stack)
-                await asyncio.sleep(0.05)
+        async with slots_held(stack, client, 2):
             hello = [{"role": "user", "content": "hello"}]
             with pytest.raises(openai.RateLimitError):
                 await client.chat.completions.create(model="m", max_tokens=20, n=4,
@@ -117,7 +117,3 @@ async def test_choices_are_sequences_n_takes_n_slots(stack_factory: Any) -> None
                 model="m", max_tokens=20, n=2, messages=hello,
                 extra_body={"extproc_output_tokens": 5})
             assert two.choices
-        finally:
-            for task in holders:
-                task.cancel()
-            await asyncio.gather(*holders, return_exceptions=True)
