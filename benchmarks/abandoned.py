@@ -25,7 +25,7 @@ from extproc.admission import Outcome
 from extproc.learning import PoolLearning
 from extproc.sim import families, policies
 from extproc.sim.run import Simulation, simulate
-from extproc.step import Admission, capacity_for
+from extproc.step import Admission, capacity_for, longest_alone
 from extproc.workload import Job
 
 MEASURED = PoolLearning.engine_speed
@@ -48,11 +48,9 @@ def default(cell: Cell, measured: bool) -> tuple[float, float, float, float]:
         if adm.outcome is not Outcome.ADMIT:
             return
         capacity = capacity_for(sim.pool, max(1, len(sim.ready)), sim.learning)
-        room_ms = adm.policy.budget_ms - capacity.prefill_ms(adm.cost.prompt_tokens, 0.0)
-        longest = room_ms / capacity.engine.itl_ms(1, adm.cost.prompt_tokens)
         seen[0] += 1
         seen[1] += adm.unavoidable
-        seen[2] += job.output_tokens > longest
+        seen[2] += job.output_tokens > longest_alone(adm.cost, capacity, adm.policy)
 
     sim.on_decision = record
     result = sim.run()

@@ -185,10 +185,14 @@ class Cost:
     # ends with its longest one.
     sequences: int = 1
 
+    def __post_init__(self) -> None:
+        if self.sequences < 1:
+            raise ValueError(f"a request decodes at least one sequence, not {self.sequences}")
+
     @property
     def most(self) -> float:
         """The most one sequence may write: ``max_tokens`` (or the pool's default)."""
-        return self.output_tokens / max(1, self.sequences)
+        return self.output_tokens / self.sequences
 
     @property
     def kv(self) -> float:
@@ -196,7 +200,7 @@ class Cost:
         typical output and what a request in flight holds of its output (``Lengths.held``;
         docstring)."""
         held = self.typical if self.held_tokens is None else min(self.held_tokens, self.most)
-        return self.prompt_tokens + max(1, self.sequences) * max(self.typical, held)
+        return self.prompt_tokens + self.sequences * max(self.typical, held)
 
     @property
     def typical(self) -> float:
@@ -263,7 +267,7 @@ class Capacity:
         n, held = snapshot.inflight, snapshot.kv_tokens
         if n and not held:  # a ledger that does not keep KV tokens: the learned mix
             held = round(n * (self.mix.prompt_tokens + self.mix.output_tokens))
-        footprint = (held + cost.kv) / (n + max(1, cost.sequences))
+        footprint = (held + cost.kv) / (n + cost.sequences)
         return max(1, min(e.max_num_seqs, int(e.kv_tokens / footprint)))
 
     @property
@@ -300,7 +304,7 @@ class Capacity:
         """A request's GPU share in a full batch: its ledger charge (docstring)."""
         s = self.batch
         e = self.engine
-        return e.prefill_ms(cost.prompt_tokens) + max(1, cost.sequences) * cost.typical * e.itl_ms(
+        return e.prefill_ms(cost.prompt_tokens) + cost.sequences * cost.typical * e.itl_ms(
             s, self.mix.context) / s
 
 
@@ -383,12 +387,12 @@ def _position(n: int, cost: Cost, replicas: int, per_replica: int) -> int:
     """Its place in the engines' queues (<= 0: room for its sequences now): ``n`` in flight,
     and its sequences, which run on one replica, at most its batch at once (the rest in
     rounds, as those end: ``rounds``)."""
-    return n + min(max(1, cost.sequences), max(1, per_replica)) - replicas * per_replica
+    return n + min(cost.sequences, per_replica) - replicas * per_replica
 
 
 def rounds(cost: Cost, per_replica: int) -> int:
     """How many times its replica's batch its sequences fill, one after another."""
-    return math.ceil(max(1, cost.sequences) / max(1, per_replica))
+    return math.ceil(cost.sequences / per_replica)
 
 
 def idle_ms(cost: Cost, capacity: Capacity) -> tuple[float, float]:
@@ -396,7 +400,7 @@ def idle_ms(cost: Cost, capacity: Capacity) -> tuple[float, float]:
     sequences side by side, in as many rounds as the replica's sequence limit takes them."""
     e = capacity.engine
     ttft = capacity.prefill_ms(cost.prompt_tokens, 0.0)
-    batch = min(max(1, cost.sequences), max(1, e.max_num_seqs))
+    batch = min(cost.sequences, e.max_num_seqs)
     context = cost.prompt_tokens + cost.typical / 2.0
     return ttft, ttft + rounds(cost, e.max_num_seqs) * cost.typical * e.itl_ms(batch, context)
 

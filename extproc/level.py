@@ -180,7 +180,7 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     free = replicas * capacity.batch_with(snapshot, cost)
     work = snapshot.outstanding_ms + decision.service_ms
     room = level.level_ms * replicas * min(1.0, max(0.0, left))
-    if n + max(1, cost.sequences) > free or not (n < replicas
+    if n + cost.sequences > free or not (n < replicas
                                                   or (replicas > 0 and work <= room)):
         return None
     return dataclasses.replace(

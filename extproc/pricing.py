@@ -167,10 +167,9 @@ class Pricing:
     def _priced_at(request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
                    text_tokens: int) -> Ask:
         """The request's ask with its texts priced at ``text_tokens``."""
-        most = request.max_tokens or pool.default_max_tokens
         return Ask(cls, prompt_tokens(request, pool, text_tokens), request.max_tokens,
                    request.choices, deadline, request.prefill_only, streaming=request.stream,
-                   least_tokens=most if request.ignore_eos else request.min_tokens)
+                   min_tokens=request.min_tokens, ignore_eos=request.ignore_eos)
 
     async def ask(self, request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
                   close: Callable[[Ask, Ask], bool]) -> tuple[Ask, Uncounted | None]:

@@ -413,10 +413,10 @@ def _messages(doc: dict[str, Any]) -> InferenceRequest:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     texts: list[str] = []
     media = sum(_strings(doc.get(key), key, texts) for key in ("messages", "system", "tools"))
+    max_tokens = _positive_int(doc, "max_tokens")
     return InferenceRequest(
         model=model, texts=tuple(texts), messages=len(messages), non_text_parts=media,
-        max_tokens=_positive_int(doc, "max_tokens"), stream=_bool(doc, "stream"),
-        min_tokens=_least(doc, _positive_int(doc, "max_tokens")))
+        max_tokens=max_tokens, stream=_bool(doc, "stream"), min_tokens=_least(doc, max_tokens))
 
 
 def _pooling(doc: dict[str, Any]) -> InferenceRequest:
@@ -427,11 +427,10 @@ def _pooling(doc: dict[str, Any]) -> InferenceRequest:
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
     texts: list[str] = []
-    media = 0
     for one, many in (("query", "documents"), ("text_1", "text_2"), ("queries", "documents")):
         if isinstance(doc.get(one), str) and isinstance(doc.get(many), list):
             texts.extend([_text(doc[one], one)] * max(0, len(doc[many]) - 1))
-    media += _strings({k: v for k, v in doc.items() if k != "model"}, "input", texts)
+    media = _strings(doc, "input", texts)  # and every text once (``model`` is a label)
     if not texts and not media:
         raise BadRequest("a pooling request must carry text to read")
     return InferenceRequest(model=_text(model, "model"), texts=tuple(texts), choices=0,

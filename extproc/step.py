@@ -98,9 +98,10 @@ class Ask:
     # finishes there (``extproc.learning``, "Answers nobody waited for"). A non-streaming
     # answer may be finished and thrown away, and then the engines count it themselves.
     streaming: bool = True
-    # The tokens each sequence writes at least: ``min_tokens``, or all it may with
-    # ``ignore_eos`` (vLLM's sampling parameters: the engine stops no earlier).
-    least_tokens: int = 0
+    # vLLM's sampling parameters that set what each sequence writes at least (the engine
+    # stops no earlier): ``min_tokens``, or all it may with ``ignore_eos``.
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -186,9 +187,9 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
     and the promised one from the pool's learned lengths and the class's promise."""
     if ask.prefill_only:
         return Cost(ask.prompt_tokens, 0, 0.0, 0.0)
-    most = ask.max_tokens or max(pool.default_max_tokens, ask.least_tokens)
+    most = ask.max_tokens or max(pool.default_max_tokens, ask.min_tokens)
     sequences = max(1, ask.choices)
-    least = min(ask.least_tokens, most)  # what it asked to be written at least
+    least = most if ask.ignore_eos else min(ask.min_tokens, most)  # it asked to be written
     lengths = learning.lengths_for(ask.service_class)
     typical = max(lengths.mean(most), least)
     if ask.known_output_tokens is not None:
@@ -382,7 +383,7 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Co
     grows = math.ceil(learning.demand.reserve(now)) if batch else 0
     mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
     mean_kv = (snapshot.kv_tokens / n) if n else cost.kv
-    after = Snapshot(n + max(1, cost.sequences) + reserve,
+    after = Snapshot(n + cost.sequences + reserve,
                      snapshot.outstanding_ms + decision.service_ms + grows * mean_ms,
                      round(snapshot.kv_tokens + cost.kv + grows * mean_kv),
                      snapshot.prefill_tokens + cost.prompt_tokens)
@@ -410,15 +411,20 @@ def miss_chance(cost: Cost, decision: Decision, policy: Policy, learning: PoolLe
     return learning.lengths_for(policy_class).survival(max(0.0, fits))
 
 
+def longest_alone(cost: Cost, capacity: Capacity, policy: Policy) -> float:
+    """The longest answer the request could write within its budget alone on an idle
+    replica: its prefill, then a decode step of one sequence a token."""
+    room_ms = policy.budget_ms - capacity.prefill_ms(cost.prompt_tokens, 0.0)
+    return room_ms / capacity.engine.itl_ms(1, cost.prompt_tokens)
+
+
 def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLearning,
                 policy_class: str) -> float:
     """The chance the request's answer is too long for its budget even alone on an idle
     replica (``extproc.learning``: such misses do not tighten the promise)."""
     if cost.output_tokens <= 0:
         return 0.0
-    e = capacity.engine
-    room_ms = policy.budget_ms - capacity.prefill_ms(cost.prompt_tokens, 0.0)
-    longest = room_ms / e.itl_ms(1, cost.prompt_tokens)
+    longest = longest_alone(cost, capacity, policy)
     if longest >= cost.most:
         return 0.0
     if not math.isfinite(longest):

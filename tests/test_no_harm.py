@@ -25,7 +25,7 @@ from extproc.level import BACKOFF, Level
 from extproc.share import CRITICAL, SHEDDABLE
 from extproc.sim import families, policies
 from extproc.sim.run import Simulation
-from extproc.step import Admission, Ask, admit, capacity_for, running_of
+from extproc.step import Admission, Ask, admit, capacity_for, longest_alone, running_of
 from extproc.workload import Job
 
 R = 4  # replicas
@@ -321,11 +321,9 @@ def predicted_and_true(monkeypatch: pytest.MonkeyPatch, measured: bool) -> tuple
         nonlocal predicted, truth, n
         if adm.outcome is Outcome.ADMIT:
             capacity = capacity_for(sim.pool, len(sim.ready), sim.learning)
-            room_ms = adm.policy.budget_ms - capacity.prefill_ms(adm.cost.prompt_tokens, 0.0)
             n += 1
             predicted += adm.unavoidable
-            truth += job.output_tokens > room_ms / capacity.engine.itl_ms(
-                1, adm.cost.prompt_tokens)
+            truth += job.output_tokens > longest_alone(adm.cost, capacity, adm.policy)
 
     sim.on_decision = record
     sim.run()

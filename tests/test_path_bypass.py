@@ -158,22 +158,28 @@ def test_the_other_generation_paths_vllm_serves_are_decided_too(
         {"pools": [pool(replicas=1, max_num_seqs=4)]}, backends=0,
         envoy={"backends": (("127.0.0.1", upstream.port),)})
     hi = [{"role": "user", "content": "hi"}]
-    bodies = {
-        "/v1/responses": lambda most: {"model": "m", "input": "hi", "max_output_tokens": most},
-        "/v1/messages": lambda most: {"model": "m", "messages": hi, "max_tokens": most},
-        "/invocations": lambda most: {"model": "m", "messages": hi, "max_tokens": most},
+
+    def rerank(document: str) -> dict[str, Any]:
+        return {"model": "m", "query": "q", "documents": [document]}
+
+    bodies = {  # path: (hopeless, ordinary)
+        "/v1/responses": ({"model": "m", "input": "hi", "max_output_tokens": 10**9},
+                          {"model": "m", "input": "hi", "max_output_tokens": 16}),
+        "/v1/messages": ({"model": "m", "messages": hi, "max_tokens": 10**9},
+                         {"model": "m", "messages": hi, "max_tokens": 16}),
+        "/invocations": ({"model": "m", "messages": hi, "max_tokens": 10**9},
+                         {"model": "m", "messages": hi, "max_tokens": 16}),
         # a pooling model's: a query against a document longer than the model's context
-        "/v1/rerank": lambda most: {"model": "m", "query": "q", "documents": [
-            "lorem ipsum " * (100_000 if most > 16 else 1)]},
+        "/v1/rerank": (rerank("lorem ipsum " * 100_000), rerank("lorem ipsum")),
     }
     with httpx.Client(timeout=30.0) as http:
-        refused = {path: http.post(stack.url + path, json=make(10**9))
-                   for path, make in bodies.items()}
+        refused = {path: http.post(stack.url + path, json=hopeless)
+                   for path, (hopeless, _) in bodies.items()}
         assert upstream.seen == [], upstream.seen
         assert {path: r.status_code for path, r in refused.items()} == dict.fromkeys(bodies, 400)
         assert all(r.json()["error"]["code"] == "context_length_exceeded"
                    for r in refused.values())
-        for path, make in bodies.items():
-            assert http.post(stack.url + path, json=make(16)).status_code == 200, path
+        for path, (_, ordinary) in bodies.items():
+            assert http.post(stack.url + path, json=ordinary).status_code == 200, path
     assert [path for path, _ in upstream.seen] == list(bodies)
 

@@ -77,8 +77,8 @@ def test_each_of_n_choices_is_a_sequence_charged_its_slot_its_kv_and_its_decode(
                        0.0) for n in (1, 4))
     assert four.cost.typical == one.cost.typical  # each sequence's
     assert four.cost.kv - 500 == pytest.approx(4 * (one.cost.kv - 500))  # the prompt is shared
-    prefill = four.decision.service_ms - 4 * (one.decision.service_ms)
-    assert prefill < 0  # the decode of each of the four, one prefill
+    shared = 4 * one.decision.service_ms - four.decision.service_ms
+    assert shared > 0  # the decode of each of the four, their prompt prefilled once
     assert four.decision.service_ms > 3 * one.decision.service_ms
     # the longest of four is promised a higher quantile of one answer's lengths
     assert four.cost.promised >= one.cost.promised
@@ -99,12 +99,14 @@ def test_more_choices_than_a_replica_has_slots_start_on_an_idle_pool_and_run_in_
 
 def test_min_tokens_and_ignore_eos_set_the_least_each_sequence_is_charged() -> None:
     plain = step(Ask("latency", 500, 300))
-    least = step(Ask("latency", 500, 300, least_tokens=250))
+    least = step(Ask("latency", 500, 300, min_tokens=250))
     assert plain.cost.typical == pytest.approx(100, rel=0.1)
     assert least.cost.typical == least.cost.promised == 250
     assert least.decision.service_ms > 2 * plain.decision.service_ms
     # without max_tokens, the engine writes min_tokens even past the pool's default
-    assert step(Ask("throughput", 500, None, least_tokens=3000)).cost.typical == 3000
+    assert step(Ask("throughput", 500, None, min_tokens=3000)).cost.typical == 3000
+    # with ignore_eos, all of max_tokens
+    assert step(Ask("latency", 500, 300, ignore_eos=True)).cost.typical == 300
 
 
 def test_the_context_limit_is_each_sequences_not_their_sum() -> None:
