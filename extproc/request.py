@@ -17,7 +17,7 @@ Supported shapes (``Api``):
   prompt; ``max_output_tokens`` / ``max_tokens``. A Responses request's
   ``previous_response_id`` is not read: the conversation vLLM stores for it (only with
   ``VLLM_ENABLE_RESPONSES_API_STORE=1``, off by default) is not in the body.
-- SageMaker's ``/invocations``: a chat, completion or embedding body, as its keys say.
+- SageMaker's ``/invocations``: a chat, completion, embedding or TGI body, as its keys say.
 - vLLM's pooling paths (``/pooling``, ``/classify``, ``/score``, ``/rerank``): prefill only,
   every string but the labels, a query once per document it is scored against.
 
@@ -438,16 +438,18 @@ def _pooling(doc: dict[str, Any]) -> InferenceRequest:
 
 
 def _invocations(doc: dict[str, Any]) -> InferenceRequest:
-    """SageMaker's ``/invocations`` (vLLM serves it): a chat, completion or embedding
-    request, told apart by its body as vLLM tells them."""
+    """SageMaker's ``/invocations`` (vLLM and TGI serve it): a chat, completion or embedding
+    request, told apart by its body as vLLM tells them, or TGI's ``inputs``."""
+    if "inputs" in doc:
+        return _tgi(doc, stream=False)
     if "messages" in doc:
         return _chat(doc)
     if "prompt" in doc:
         return _completions(doc)
     if "input" in doc:
         return _embeddings(doc)
-    raise BadRequest("an /invocations body must be a chat ('messages'), completion ('prompt')"
-                     " or embedding ('input') request")
+    raise BadRequest("an /invocations body must be a chat ('messages'), completion ('prompt'),"
+                     " embedding ('input') or TGI ('inputs') request")
 
 
 def _embeddings(doc: dict[str, Any]) -> InferenceRequest:

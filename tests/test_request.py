@@ -111,12 +111,13 @@ def test_the_messages_api_counts_system_messages_and_tools() -> None:
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "chat"),
     ({"model": "m", "prompt": ["a", "b"]}, "completions"),
     ({"model": "m", "input": "x"}, "embeddings"),
+    ({"inputs": "x", "parameters": {"best_of": 2}}, "tgi"),
 ])
 def test_invocations_are_read_as_the_request_their_body_is(doc: dict[str, Any],
                                                            api_of: str) -> None:
     r = parse(Api.SAGEMAKER_INVOCATIONS, body(doc))
     assert (r.choices, r.prefill_only) == {"chat": (2, False), "completions": (2, False),
-                                           "embeddings": (0, True)}[api_of]
+                                           "embeddings": (0, True), "tgi": (2, False)}[api_of]
 
 
 def test_a_pooling_request_prefills_its_query_once_per_document() -> None:

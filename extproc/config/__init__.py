@@ -288,7 +288,8 @@ class Config:
     0.8) and throughput (600 s, 0.9, batch)."""
     routes: tuple[Route, ...] = Field(
         default_factory=lambda: TypeAdapter(tuple[Route, ...]).validate_python(DEFAULT_ROUTES))
-    """Paths decided on; absent: every generation path vLLM and TGI serve. Other paths pass."""
+    """Paths decided on; absent: the JSON inference paths of vLLM and TGI (README). Other paths
+    pass."""
     listen: Address = "127.0.0.1:50051"
     """The ext_proc gRPC server: HOST:PORT or unix:PATH."""
     metrics_listen: Address = "127.0.0.1:9464"
