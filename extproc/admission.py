@@ -383,11 +383,11 @@ def _positions_within(position: int, replicas: int, mean_ms: float, z: float, sl
     return free + max(0, low * replicas - max(position, 0))
 
 
-def _position(n: int, cost: Cost, replicas: int, per_replica: int) -> int:
-    """Its place in the engines' queues (<= 0: room for its sequences now): ``n`` in flight,
-    and its sequences, which run on one replica, at most its batch at once (the rest in
-    rounds, as those end: ``rounds``)."""
-    return n + min(cost.sequences, per_replica) - replicas * per_replica
+def _with_it(n: int, cost: Cost, per_replica: int) -> int:
+    """The sequences in flight with its own: ``n``, and its sequences, which run on one
+    replica, at most its batch at once (the rest in rounds, as those end: ``rounds``).
+    Its place in the engines' queues is this less their slots (<= 0: room for it now)."""
+    return n + min(cost.sequences, per_replica)
 
 
 def rounds(cost: Cost, per_replica: int) -> int:
@@ -412,11 +412,12 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     ttft_budget = policy.ttft_budget_ms
     charge = capacity.charge_ms(cost)
     idle_ttft, idle_done = idle_ms(cost, capacity)
+    per_replica = capacity.batch_with(snapshot, cost)
     if idle_done > budget or (ttft_budget is not None and idle_ttft > ttft_budget):
         return Decision(Outcome.PASS, Reason.INFEASIBLE, charge, 0.0, idle_ttft, idle_done,
                         budget, now + idle_done / 1000.0,
-                        position=_position(snapshot.inflight, cost, capacity.replicas,
-                                           capacity.batch_with(snapshot, cost)),
+                        position=_with_it(snapshot.inflight, cost, per_replica)
+                        - capacity.replicas * per_replica,
                         step_ms=capacity.step_ms(1.0))
 
     replicas = capacity.replicas
@@ -426,9 +427,8 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
 
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else charge
-    per_replica = capacity.batch_with(snapshot, cost)
-    position = _position(n, cost, replicas, per_replica)
-    batch = min(float(per_replica), (position + replicas * per_replica) / replicas)
+    position = _with_it(n, cost, per_replica) - replicas * per_replica
+    batch = min(float(per_replica), _with_it(n, cost, per_replica) / replicas)
     if position > 0 and per_replica < capacity.engine.max_num_seqs:
         # The batch is bound by KV memory, not by slots: it would wait for memory (docstring).
         slot_ms = mean_ms / max(per_replica, 1)
