@@ -491,20 +491,12 @@ class Gate:
                 reserved_at: float | None = None) -> Ticket:
         adm = verdict.admission
         assert adm is not None
-        ticket = Ticket(entry.request_id, entry.pool, adm.service_class, entry.lease_ms,
+        running = running_of(adm, self._clock())
+        ticket = Ticket(entry.request_id, entry.pool, entry.lease_ms, running,
                         cost_ms=entry.cost_ms, kv_tokens=entry.kv_tokens, groups=entry.groups,
-                        recorded=recorded,
-                        started=self._clock(),
-                        deadline_s=adm.policy.deadline_ms / 1000.0, batch=adm.policy.batch,
-                        unavoidable=adm.unavoidable,
-                        ttft_ms=adm.decision.ttft_ms if adm.decision else 0.0,
-                        step_ms=adm.decision.step_ms if adm.decision else 0.0)
+                        recorded=recorded)
         self.leases.hold(ticket, reserved_at)
-        self.learning[entry.pool].admitted(
-            adm.service_class, adm.cost.prompt_tokens, batch=adm.policy.batch,
-            expected_s=adm.decision.completion_ms / 1000.0 if adm.decision else 0.0,
-            now=self._clock(), prefill_rate=adm.prefill_rate, key=ticket.request_id,
-            running=running_of(adm, self._clock()), groups=adm.groups)
+        self.learning[entry.pool].admitted(running, key=ticket.request_id)
         return ticket
 
     async def settle(self, ticket: Ticket, completed: bool = True) -> None:
@@ -512,11 +504,8 @@ class Gate:
         ``completed``: the request ended normally (not cancelled, not failed)."""
         ticket.settled = True
         now = self._clock()
-        self.learning[ticket.pool].settled(
-            ticket.service_class, batch=ticket.batch, seconds=now - ticket.started,
-            deadline_s=ticket.deadline_s, completed=completed, unavoidable=ticket.unavoidable,
-            now=now, ttft_ms=ticket.ttft_ms, step_ms=ticket.step_ms, key=ticket.request_id,
-            groups=ticket.groups)
+        self.learning[ticket.pool].settled(ticket.running, completed=completed, now=now,
+                                           key=ticket.request_id)
         for listener in self.listeners:
             listener.settled(ticket, completed)
         self.leases.drop(ticket)

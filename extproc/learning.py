@@ -105,8 +105,8 @@ scales its backlog by the share of the ledger's requests in flight that it holds
 (``extproc.step.admit``), so two gateways sharing a ledger see the burst one gateway would.
 
 Length: past the house's ~400 lines because a sixth is this docstring; the code is small
-state objects (``Promise``, ``Spread``, ``Backlog``, ``Demand``, ``Running``) and the
-``PoolLearning`` that composes them.
+state objects (``Promise``, ``Spread``, ``Backlog``, ``Demand``) and the ``PoolLearning`` that
+composes them and keeps each admitted request's record (``extproc.running``) until its deadline.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ from extproc.admission import Mix
 from extproc.config import Config, Pool
 from extproc.lengths import Lengths, Prior
 from extproc.level import Level
+from extproc.running import Running
 
 TARGET_ATTAINMENT = 0.99
 Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99
@@ -319,28 +320,6 @@ class Speed:
     ttft_ms: float
     itl_ms: float
     at: float
-
-
-@dataclass(slots=True)
-class Running:
-    """What a pool keeps of one of this gateway's admitted requests while it runs."""
-
-    service_class: str
-    started: float
-    deadline_s: float = math.inf
-    ttft_ms: float = 0.0  # its decision's predicted first token
-    step_ms: float = 0.0  # ... and decode step (0: no prediction, nothing to learn)
-    chance: float | None = None  # predicted chance it misses (None: not a step decision)
-    unavoidable: float = 0.0
-    prompt_tokens: int = 0  # prefilled for sure once its stream has ended
-    missed: bool = False  # still running at its deadline: resolved as a miss
-    at_ms: float = 0.0  # work per replica outstanding at its admission, its own included ...
-    level_ms: float = -1.0  # ... the measured level then (< 0: not measured, ``extproc.level``)
-    charge_ms: float = 0.0  # ... its own work per replica ...
-    alone: bool = False  # ... and whether a replica had nothing to do
-    measured: bool = False  # admitted by the measured level against the model's prediction
-    share: float = 1.0  # this gateway's share of the pool's requests in flight at admission
-    streaming: bool = True  # its client leaving aborts it at the engine (``Ask.streaming``)
 
 
 class PoolLearning:
@@ -585,64 +564,62 @@ class PoolLearning:
             self._loads.pop()
         self._loads.append((now, load_ms))
 
-    def admitted(self, service_class: str, prompt_tokens: int, *, batch: bool = False,
-                 expected_s: float = 0.0, now: float = 0.0, prefill_rate: float = 0.0,
-                 key: str | None = None, running: Running | None = None,
-                 groups: tuple[str, ...] = ()) -> None:
-        """A request runs: its prompt joins the prefill backlog (drained at ``prefill_rate``
-        tokens a second); ``expected_s``, its predicted time in flight, stands for the
+    def admitted(self, running: Running, key: str | None = None) -> None:
+        """A request runs (``running``, its record): its prompt joins the prefill backlog
+        (drained at its ``prefill_rate``); its predicted time in flight stands for the
         interactive classes' measured time until one of their requests has ended; with its
-        ``key`` and what its decision predicted (``running``), its answer so far counts in the
-        lengths while it runs, it is resolved at its deadline, and its predicted chance of
-        missing moves its class's promise (``refresh``, ``Promise``)."""
-        if key is not None and running is not None:
+        ``key``, the pool keeps its record: its answer so far counts in the lengths while it
+        runs, it is resolved at its deadline, and its predicted chance of missing moves its
+        class's promise (``refresh``, ``Promise``)."""
+        now, expected_s = running.started, running.expected_s
+        if key is not None:
             self._running[key] = running
             if math.isfinite(running.deadline_s):
                 heapq.heappush(self._due, (running.started + running.deadline_s, key))
             if running.chance is not None and not running.measured:
-                self.promise(service_class).admitted(running.chance, running.unavoidable)
-        if not batch and expected_s > 0 and not self.demand.measured:
+                self.promise(running.service_class).admitted(running.chance,
+                                                             running.unavoidable)
+        if not running.batch and expected_s > 0 and not self.demand.measured:
             self.demand.served(expected_s, now)
-        for group in groups:
+        for group in running.groups:
             if expected_s > 0 and not self.flow(group).measured:
                 self.flow(group).served(expected_s, now)
-        self.inflight[service_class] = self.inflight.get(service_class, 0) + 1
-        self.backlog.add(prompt_tokens, now, prefill_rate)
+        self.inflight[running.service_class] = self.inflight.get(running.service_class, 0) + 1
+        self.backlog.add(running.prompt_tokens, now, running.prefill_rate)
 
-    def settled(self, service_class: str, *, batch: bool, seconds: float, deadline_s: float,
-                completed: bool, unavoidable: float, now: float, ttft_ms: float = 0.0,
-                step_ms: float = 0.0, key: str | None = None,
-                groups: tuple[str, ...] = ()) -> None:
-        """An admitted request's stream ended after ``seconds``: ``completed`` normally, or
-        cancelled. Past its deadline it is a miss; a completion within it a hit; a stream
-        cancelled in time says nothing about the promise. A request this pool keeps (its
-        ``key``) is resolved at its deadline (``resolve``), any other at once. ``ttft_ms``
-        and ``step_ms``: what its decision predicted (its class's lengths learn from them; 0:
-        nothing to learn)."""
-        self.inflight[service_class] = max(0, self.inflight.get(service_class, 0) - 1)
-        missed = seconds > deadline_s
-        running = self._running.pop(key, None) if key is not None else None
-        if running is not None:  # whatever the estimate says, its prompt is prefilled
-            self.backlog.tokens = max(0.0, self.backlog.tokens - running.prompt_tokens)
-        if running is not None and completed and not missed:
-            self._completed(running)
-        if running is not None and not completed:
-            self._abandoned(running, seconds, now)
-        if key is not None and running is not None and math.isfinite(running.deadline_s):
-            if not running.missed and (missed or completed):
-                self._ended[key] = (running, missed)
+    def settled(self, running: Running, *, completed: bool, now: float,
+                key: str | None = None) -> None:
+        """A request's stream ended at ``now``: ``completed`` normally, or cancelled. Past
+        its deadline it is a miss; a completion within it a hit; a stream cancelled in time
+        says nothing about the promise. A request this pool keeps (its ``key``) is resolved
+        at its deadline (``resolve``), any other at once. Its record's predicted first token
+        and step teach its class's lengths (0: nothing to learn)."""
+        cls = running.service_class
+        seconds = now - running.started
+        self.inflight[cls] = max(0, self.inflight.get(cls, 0) - 1)
+        missed = seconds > running.deadline_s
+        kept = self._running.pop(key, None) if key is not None else None
+        if kept is not None:  # whatever the estimate says, its prompt is prefilled
+            self.backlog.tokens = max(0.0, self.backlog.tokens - kept.prompt_tokens)
+        if kept is not None and completed and not missed:
+            self._completed(kept)
+        if kept is not None and not completed:
+            self._abandoned(kept, seconds, now)
+        if key is not None and kept is not None and math.isfinite(kept.deadline_s):
+            if not kept.missed and (missed or completed):
+                self._ended[key] = (kept, missed)
         elif missed or completed:
-            if running is None:
-                self.promise(service_class).settled(missed, unavoidable, unavoidable)
+            if kept is None:
+                self.promise(cls).settled(missed, running.unavoidable, running.unavoidable)
             else:
-                self._resolved(running, missed, now)
-        if not batch:
+                self._resolved(kept, missed, now)
+        if not running.batch:
             self.demand.served(seconds, now)
-        for group in groups:
+        for group in running.groups:
             self.flow(group).served(seconds, now)
-        if step_ms > 0:
-            tokens = max(1.0, (seconds * 1000.0 - ttft_ms) / step_ms)
-            self._own(service_class).observe(tokens, cut=not completed)
+        if running.step_ms > 0:
+            tokens = max(1.0, (seconds * 1000.0 - running.ttft_ms) / running.step_ms)
+            self._own(cls).observe(tokens, cut=not completed)
 
 
 def _chance(r: Running) -> float:

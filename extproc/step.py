@@ -66,10 +66,11 @@ from extproc.admission import (
 from extproc.config import Config, Infeasible, Pool
 from extproc.enginestats import Correction
 from extproc.errors import BadRequest, RequestError
-from extproc.learning import PoolLearning, Running
+from extproc.learning import PoolLearning
 from extproc.ledger import Cap
 from extproc.lengths import PRIOR_SAMPLES
 from extproc.level import measured
+from extproc.running import Running
 from extproc.share import priority_group, tenant_group
 
 NO_CORRECTION = Correction()
@@ -349,9 +350,12 @@ def waited(policy: Policy, waited_ms: float) -> Policy:
 
 
 def running_of(adm: Admission, now: float) -> Running:
-    """What the pool keeps of an admitted request while it runs (``PoolLearning.admitted``)."""
+    """The record of an admitted request (``extproc.running``), made once, at ``now``."""
     d = adm.decision
     return Running(adm.service_class, now, deadline_s=adm.policy.deadline_ms / 1000.0,
+                   batch=adm.policy.batch, groups=adm.groups,
+                   expected_s=d.completion_ms / 1000.0 if d else 0.0,
+                   prefill_rate=adm.prefill_rate,
                    ttft_ms=d.ttft_ms if d else 0.0, step_ms=d.step_ms if d else 0.0,
                    chance=adm.chance, unavoidable=adm.unavoidable,
                    prompt_tokens=adm.cost.prompt_tokens,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 from extproc.admission import Decision, Outcome, Reason
 from extproc.decisionlog import Pending
 from extproc.errors import RequestError
+from extproc.running import Running
 from extproc.step import Admission
 from extproc.tenant import Tenant
 
@@ -34,8 +34,8 @@ class Ticket:
 
     request_id: str
     pool: str
-    service_class: str
     lease_ms: float
+    running: Running  # its record (``extproc.running``): what the pool's learning reads
     cost_ms: float = 0.0  # its ledger charge
     kv_tokens: int = 0  # the KV tokens its ledger entry holds
     groups: tuple[str, ...] = ()  # ... and the groups it counts in (priority, tenant)
@@ -44,12 +44,10 @@ class Ticket:
     # its exact count, when it was admitted on an estimate (``Gate._recount``)
     correction: asyncio.Task[None] | None = field(default=None, repr=False)
     log: Pending | None = field(default=None, repr=False)  # its decision log line
-    started: float = 0.0  # the gate's clock at admission
-    deadline_s: float = math.inf  # its deadline (the promise's feedback)
-    batch: bool = False  # its class is a batch class
-    unavoidable: float = 0.0  # the step's: chance it misses even alone
-    ttft_ms: float = 0.0  # its decision's predicted first token ...
-    step_ms: float = 0.0  # ... and decode step (its class's lengths learn from them)
+
+    @property
+    def service_class(self) -> str:
+        return self.running.service_class
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from extproc.control import Control
 from extproc.engine import EngineModel
 from extproc.keda import metric_name
 from extproc.metrics import Metrics
+from extproc.running import Running
 from extproc.verdict import Ticket, Verdict
 from tests.extproc_client import Stream, admit_one, body, chat, headers, serving
 
@@ -47,7 +48,7 @@ def control(clock: Clock, **policy: Any) -> tuple[Control, Metrics]:
 
 def admitted(rid: str) -> Verdict:
     return Verdict(Outcome.ADMIT, Reason.FITS, "llama", "latency",
-                   ticket=Ticket(rid, "llama", "latency", 1000.0))
+                   ticket=Ticket(rid, "llama", 1000.0, Running("latency", 0.0)))
 
 
 def rejected() -> Verdict:

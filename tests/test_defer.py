@@ -312,7 +312,8 @@ async def test_a_higher_priority_held_later_is_sent_first() -> None:
     await until_held(gate, 2)
     sent, after = await one_then_the_other(gate, first, high, low)
     assert sent.ticket is not None and after.ticket is not None
-    assert sent.ticket.started <= after.ticket.started and sent.held_ms < after.held_ms
+    assert sent.ticket.running.started <= after.ticket.running.started
+    assert sent.held_ms < after.held_ms
 
 
 

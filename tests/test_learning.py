@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from extproc.learning import Q_HIGH, Q_LOW, Q_START, Demand, PoolLearning, Promise, Running
+from extproc.learning import Q_HIGH, Q_LOW, Q_START, Demand, PoolLearning, Promise
+from extproc.running import Running
 
 
 def run(promise: Promise, rounds: int, rng: random.Random, told: float = 1.0,
@@ -113,20 +114,18 @@ def test_each_request_counts_for_its_promise_when_its_deadline_comes() -> None:
     # would loosen the promise on the short ones before the long ones could miss.
     learning = PoolLearning()
     promise = learning.promise("chat")
-    for i in range(10):
-        learning.admitted("chat", 100, now=0.0, key=f"r{i}",
-                          running=Running("chat", 0.0, deadline_s=30.0, ttft_ms=100.0,
-                                          step_ms=20.0, chance=0.01))
+    records = [Running("chat", 0.0, deadline_s=30.0, ttft_ms=100.0, step_ms=20.0, chance=0.01,
+                       prompt_tokens=100) for _ in range(10)]
+    for i, running in enumerate(records):
+        learning.admitted(running, key=f"r{i}")
     for i in range(5):  # half end in 2 s
-        learning.settled("chat", batch=False, seconds=2.0, deadline_s=30.0, completed=True,
-                         unavoidable=0.0, now=2.0, key=f"r{i}")
+        learning.settled(records[i], completed=True, now=2.0, key=f"r{i}")
     learning.refresh(2.0)
     assert (promise.hits, promise.misses) == (0, 0)  # not yet: their deadline has not come
     learning.refresh(31.0)  # the rest are still running past their deadline: misses
     assert (promise.hits, promise.misses) == (5, 5)
     for i in range(5, 10):  # they end late: already counted
-        learning.settled("chat", batch=False, seconds=40.0, deadline_s=30.0, completed=True,
-                         unavoidable=0.0, now=40.0, key=f"r{i}")
+        learning.settled(records[i], completed=True, now=40.0, key=f"r{i}")
     learning.refresh(45.0)
     assert (promise.hits, promise.misses) == (5, 5)
 
@@ -151,10 +150,9 @@ def test_a_pool_learns_its_mix_and_feeds_its_promises_per_class() -> None:
     mix = learning.mix()
     assert mix.prompt_tokens == pytest.approx(2000, rel=0.01)
     assert mix.output_tokens < 40
-    learning.settled("latency", batch=False, seconds=5.0, deadline_s=2.0, completed=True,
-                     unavoidable=0.0, now=1.0)
-    learning.settled("batch", batch=True, seconds=1.0, deadline_s=600.0, completed=False,
-                     unavoidable=0.0, now=1.0)  # cancelled in time: no news
+    learning.settled(Running("latency", -4.0, deadline_s=2.0), completed=True, now=1.0)
+    learning.settled(Running("batch", 0.0, deadline_s=600.0, batch=True), completed=False,
+                     now=1.0)  # cancelled in time: no news
     assert learning.promise("latency").misses == 1
     assert (learning.promise("batch").hits, learning.promise("batch").misses) == (0, 0)
 
@@ -168,15 +166,15 @@ def test_each_class_learns_its_own_lengths_once_the_pool_serves_several() -> Non
     for t in range(200):
         learning.arrived("batch", True, float(t))
         # a batch answer: 20 s of decoding at 20 ms a step after a 1 s first token
-        learning.settled("batch", batch=True, seconds=21.0, deadline_s=600.0, completed=True,
-                         unavoidable=0.0, now=float(t), ttft_ms=1000.0, step_ms=20.0)
-        learning.settled("chat", batch=False, seconds=2.5, deadline_s=30.0, completed=True,
-                         unavoidable=0.0, now=float(t), ttft_ms=500.0, step_ms=20.0)
+        learning.settled(Running("batch", t - 21.0, deadline_s=600.0, batch=True,
+                                 ttft_ms=1000.0, step_ms=20.0), completed=True, now=float(t))
+        learning.settled(Running("chat", t - 2.5, deadline_s=30.0, ttft_ms=500.0, step_ms=20.0),
+                         completed=True, now=float(t))
     assert learning.lengths_for("batch").mean() == pytest.approx(1000, rel=0.1)
     assert learning.lengths_for("chat").mean() == pytest.approx(100, rel=0.1)
     # a stream cancelled early says the answer was at least that long (censored)
-    learning.settled("chat", batch=False, seconds=60.0, deadline_s=30.0, completed=False,
-                     unavoidable=0.0, now=300.0, ttft_ms=500.0, step_ms=20.0)
+    learning.settled(Running("chat", 240.0, deadline_s=30.0, ttft_ms=500.0, step_ms=20.0),
+                     completed=False, now=300.0)
     assert learning.lengths_for("chat").quantile(0.999) > 2500
 
 
@@ -185,28 +183,27 @@ def test_requests_in_flight_count_in_the_lengths_until_they_end() -> None:
     for _ in range(300):
         learning.finished(20)  # the short answers, which end first
     before = learning.lengths_for("chat").mean()
-    for i in range(100):  # long answers admitted at t=0: 20 ms steps after a 0.5 s TTFT
-        learning.admitted("chat", 500, now=0.0, key=f"r{i}",
-                          running=Running("chat", 0.0, ttft_ms=500.0, step_ms=20.0))
+    records = [Running("chat", 0.0, ttft_ms=500.0, step_ms=20.0, prompt_tokens=500)
+               for _ in range(100)]  # long answers admitted at t=0: 20 ms steps after 0.5 s
+    for i, running in enumerate(records):
+        learning.admitted(running, key=f"r{i}")
     learning.refresh(10.5)  # each is ~500 tokens in: at least that long
     during = learning.lengths_for("chat")
     assert during.mean() > 5 * before
     assert during.quantile(0.8) > 400  # a quarter of the answers are long
     learning.refresh(10.7)  # refreshed at most once a second: the same view
     assert learning.lengths_for("chat") is during
-    for i in range(100):
-        learning.settled("chat", batch=False, seconds=30.0, deadline_s=60.0, completed=True,
-                         unavoidable=0.0, now=30.0, key=f"r{i}")
+    for i, running in enumerate(records):
+        learning.settled(running, completed=True, now=30.0, key=f"r{i}")
     learning.refresh(30.0)
     assert learning.lengths_for("chat") is learning.lengths  # nothing in flight: no view
 
 
 def test_a_prompt_leaves_the_backlog_when_its_stream_ends() -> None:
     learning = PoolLearning()
-    learning.admitted("chat", 100_000, now=0.0, prefill_rate=10_000.0, key="big",
-                      running=Running("chat", 0.0, prompt_tokens=100_000))
+    big = Running("chat", 0.0, deadline_s=30.0, prefill_rate=10_000.0, prompt_tokens=100_000)
+    learning.admitted(big, key="big")
     assert learning.backlog.level(1.0, 10_000.0) == pytest.approx(90_000)
     # the engine was faster than its model: the answer is back after a second
-    learning.settled("chat", batch=False, seconds=1.0, deadline_s=30.0, completed=True,
-                     unavoidable=0.0, now=1.0, key="big")
+    learning.settled(big, completed=True, now=1.0, key="big")
     assert learning.backlog.level(1.0, 10_000.0) == 0.0

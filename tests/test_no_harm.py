@@ -20,8 +20,9 @@ import pytest
 from extproc import config as config_mod
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.enginestats import Correction
-from extproc.learning import PoolLearning, Running, learning_for
+from extproc.learning import PoolLearning, learning_for
 from extproc.level import BACKOFF, Level
+from extproc.running import Running
 from extproc.share import CRITICAL, SHEDDABLE
 from extproc.sim import families, policies
 from extproc.sim.run import Simulation
@@ -66,17 +67,20 @@ def decide_at(learning: PoolLearning, n: int, now: float, a: Ask | None = None) 
     return adm
 
 
-def fill(learning: PoolLearning, now: float) -> list[Admission]:
-    """Requests arrive at one pool until one is refused; those admitted run."""
-    admitted: list[Admission] = []
+def fill(learning: PoolLearning, now: float, deadline_s: float | None = None
+         ) -> list[Running]:
+    """Requests arrive at one pool until one is refused; those admitted run (their records;
+    ``deadline_s``: each given that deadline instead of its class's)."""
+    admitted: list[Running] = []
     while len(admitted) < R * SLOTS:
         adm = decide_at(learning, len(admitted), now)
         if not adm.runs:
             break
-        learning.admitted(adm.service_class, adm.cost.prompt_tokens, now=now,
-                          expected_s=adm.decision.completion_ms / 1000.0 if adm.decision else 0,
-                          key=f"{now}/{len(admitted)}", running=running_of(adm, now))
-        admitted.append(adm)
+        running = running_of(adm, now)
+        if deadline_s is not None:
+            running = dataclasses.replace(running, deadline_s=deadline_s)
+        learning.admitted(running, key=f"{now}/{len(admitted)}")
+        admitted.append(running)
     return admitted
 
 
@@ -85,24 +89,20 @@ def generation(learning: PoolLearning, now: float, missed: float = 0.0) -> tuple
     level) and are resolved at their deadline. Returns (admitted, the time after)."""
     admitted = fill(learning, now)
     rng = random.Random(f"{now}")
-    for i, adm in enumerate(admitted):
+    for i, running in enumerate(admitted):
         late = rng.random() < missed
         seconds = DEADLINE_S * (1.5 if late else 0.5)
-        learning.settled(adm.service_class, batch=False, seconds=seconds,
-                         deadline_s=DEADLINE_S, completed=True, unavoidable=adm.unavoidable,
-                         now=now + seconds, key=f"{now}/{i}")
+        learning.settled(running, completed=True, now=now + seconds, key=f"{now}/{i}")
     later = now + 2 * DEADLINE_S
     learning.refresh(later)
     return len(admitted), later
 
 
-def end(learning: PoolLearning, admitted: list[Admission], started: float, seconds: float,
-        deadline_s: float = DEADLINE_S) -> None:
+def end(learning: PoolLearning, admitted: list[Running], started: float, seconds: float
+        ) -> None:
     """The requests ``fill`` admitted at ``started`` end, completed, after ``seconds``."""
-    for i, adm in enumerate(admitted):
-        learning.settled(adm.service_class, batch=False, seconds=seconds, deadline_s=deadline_s,
-                         completed=True, unavoidable=adm.unavoidable, now=started + seconds,
-                         key=f"{started}/{i}")
+    for i, running in enumerate(admitted):
+        learning.settled(running, completed=True, now=started + seconds, key=f"{started}/{i}")
 
 
 def strictest() -> PoolLearning:
@@ -145,16 +145,16 @@ def test_two_gateways_on_one_ledger_each_climb_on_their_own_share_of_completions
     gateways = [bimodal(), bimodal()]
     now, seen = 0.0, []
     for _ in range(16):
-        mine: list[list[Admission]] = [[], []]
+        mine: list[list[Running]] = [[], []]
         n = 0
         while n < R * SLOTS:  # one ledger: the count is both gateways' requests
             g, t = n % 2, now + n * 0.001  # arrivals a millisecond apart
             adm = decide_at(gateways[g], n, t)
             if not adm.runs:
                 break
-            gateways[g].admitted(adm.service_class, adm.cost.prompt_tokens, now=t,
-                                 key=f"{now}/{len(mine[g])}", running=running_of(adm, t))
-            mine[g].append(adm)
+            running = running_of(adm, t)
+            gateways[g].admitted(running, key=f"{now}/{len(mine[g])}")
+            mine[g].append(running)
             n += 1
         seen.append(n)
         for learning, admitted in zip(gateways, mine, strict=True):
@@ -176,12 +176,13 @@ def test_cold_start_misses_after_the_climb_back_it_off() -> None:
     climbed = learning.level.level_ms
     assert climbed > 0.0
     late = fill(learning, now)  # these all miss ...
-    early = fill(learning, now + 0.5)  # ... and these, admitted beside them, end in time
+    # ... and these, admitted beside them, end in time (their deadline is longer)
+    early = fill(learning, now + 0.5, deadline_s=DEADLINE_S * 3)
     end(learning, late, now, DEADLINE_S * 1.5)
     learning.refresh(now + DEADLINE_S * 2)
     cut = learning.level.level_ms
     assert cut < climbed
-    end(learning, early, now + 0.5, DEADLINE_S * 2, deadline_s=DEADLINE_S * 3)
+    end(learning, early, now + 0.5, DEADLINE_S * 2)
     assert learning.level.level_ms == cut
 
 
@@ -230,10 +231,8 @@ def test_work_conservation_a_request_whose_own_replica_is_idle_is_admitted() -> 
                  Correction(idle=True)).outcome is Outcome.REJECT
 
     running = running_of(idle, 0.0)
-    learning.admitted(idle.service_class, idle.cost.prompt_tokens, now=0.0, key="idle",
-                      expected_s=1.0, running=running)
-    learning.settled(idle.service_class, batch=False, seconds=1.0, deadline_s=DEADLINE_S,
-                     completed=True, unavoidable=idle.unavoidable, now=1.0, key="idle")
+    learning.admitted(running, key="idle")
+    learning.settled(running, completed=True, now=1.0, key="idle")
     learning.refresh(2 * DEADLINE_S)
     assert learning.level.level_ms == 0.0
 
@@ -277,14 +276,12 @@ def abandoned_tail(speed: tuple[float, float] | None) -> PoolLearning:
     for i in range(100):
         adm = decide_at(learning, 0, now)
         key = f"long/{i}"
-        learning.admitted(adm.service_class, adm.cost.prompt_tokens, now=now, key=key,
-                          running=running_of(adm, now))
+        running = running_of(adm, now)
+        learning.admitted(running, key=key)
         now += 1.5 * DEADLINE_S
         if speed is not None:
             learning.engine_speed(*speed, now)
-        learning.settled(adm.service_class, batch=False, seconds=1.5 * DEADLINE_S,
-                         deadline_s=DEADLINE_S, completed=False, unavoidable=adm.unavoidable,
-                         now=now, key=key)
+        learning.settled(running, completed=False, now=now, key=key)
         now += 1.0
     return learning
 
@@ -347,18 +344,16 @@ def test_a_stale_measurement_counts_nothing() -> None:
     learning = learning_for(POOL)
     learning.engine_speed(500.0, 15.0, 0.0)
     adm = decide_at(learning, 0, 100.0)
-    learning.admitted(adm.service_class, adm.cost.prompt_tokens, now=100.0, key="k",
-                      running=running_of(adm, 100.0))
+    running = running_of(adm, 100.0)
+    learning.admitted(running, key="k")
     seen = learning.begun.seen
-    learning.settled(adm.service_class, batch=False, seconds=30.0, deadline_s=DEADLINE_S,
-                     completed=False, unavoidable=adm.unavoidable, now=130.0, key="k")
+    learning.settled(running, completed=False, now=130.0, key="k")
     assert learning.begun.seen == seen
     learning.engine_speed(500.0, 15.0, 131.0)  # fresh again: the next one counts
     adm = decide_at(learning, 0, 131.0)
-    learning.admitted(adm.service_class, adm.cost.prompt_tokens, now=131.0, key="k2",
-                      running=running_of(adm, 131.0))
-    learning.settled(adm.service_class, batch=False, seconds=30.0, deadline_s=DEADLINE_S,
-                     completed=False, unavoidable=adm.unavoidable, now=161.0, key="k2")
+    running = running_of(adm, 131.0)
+    learning.admitted(running, key="k2")
+    learning.settled(running, completed=False, now=161.0, key="k2")
     assert learning.begun.seen == pytest.approx(seen + 1)
 
 
@@ -368,11 +363,11 @@ def test_behind_two_gateways_a_cancelled_stream_stands_for_two() -> None:
     learning = learning_for(POOL)
     learning.engine_speed(500.0, 15.0, 0.0)
     for key, share in (("alone", 1.0), ("half", 0.5)):
-        learning.admitted("latency", 500, now=0.0, key=key,
-                          running=Running("latency", 0.0, deadline_s=DEADLINE_S, share=share))
+        running = Running("latency", 0.0, deadline_s=DEADLINE_S, prompt_tokens=500,
+                          share=share)
+        learning.admitted(running, key=key)
         seen = learning.begun.seen
-        learning.settled("latency", batch=False, seconds=25.0, deadline_s=DEADLINE_S,
-                         completed=False, unavoidable=0.0, now=25.0, key=key)
+        learning.settled(running, completed=False, now=25.0, key=key)
         assert learning.begun.seen == pytest.approx(seen + 1.0 / share)
 
 
@@ -383,11 +378,11 @@ def test_a_non_streaming_answer_cancelled_counts_nothing() -> None:
     learning = learning_for(POOL)
     learning.engine_speed(500.0, 15.0, 0.0)
     for key, streaming in (("whole", False), ("streamed", True)):
-        learning.admitted("latency", 500, now=0.0, key=key, running=Running(
-            "latency", 0.0, deadline_s=DEADLINE_S, streaming=streaming))
+        running = Running("latency", 0.0, deadline_s=DEADLINE_S, prompt_tokens=500,
+                          streaming=streaming)
+        learning.admitted(running, key=key)
         seen = learning.begun.seen
-        learning.settled("latency", batch=False, seconds=25.0, deadline_s=DEADLINE_S,
-                         completed=False, unavoidable=0.0, now=25.0, key=key)
+        learning.settled(running, completed=False, now=25.0, key=key)
         assert learning.begun.seen == pytest.approx(seen + (1.0 if streaming else 0.0))
 
 

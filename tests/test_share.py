@@ -12,6 +12,7 @@ from extproc.admission import Outcome, Reason, Snapshot
 from extproc.config import TenantConfig
 from extproc.contention import _kept
 from extproc.learning import learning_for
+from extproc.running import Running
 from extproc.share import (
     CRITICAL,
     SHEDDABLE,
@@ -90,13 +91,13 @@ def busy_pool(config: config_mod.Config, critical_rate: float) -> tuple[object, 
     for i in range(600):
         now = i * 0.1
         learning.arrived("latency", False, now, 500, ("p:0",))
-        learning.settled("latency", batch=False, seconds=8.0, deadline_s=30.0, completed=True,
-                         unavoidable=0.0, now=now, groups=("p:0",))
+        learning.settled(Running("latency", now - 8.0, deadline_s=30.0, groups=("p:0",)),
+                         completed=True, now=now)
         for _ in range(round(critical_rate * 0.1 * 10)):
             if i % 10 == 0:
                 learning.arrived("latency", False, now, 500, ("p:1",))
-                learning.settled("latency", batch=False, seconds=8.0, deadline_s=30.0,
-                                 completed=True, unavoidable=0.0, now=now, groups=("p:1",))
+                learning.settled(Running("latency", now - 8.0, deadline_s=30.0,
+                                         groups=("p:1",)), completed=True, now=now)
     snapshot = Snapshot(62, 62 * 1500.0, 62 * 800, groups={"p:0": (62, 62 * 1500.0)})
     return learning, snapshot
 

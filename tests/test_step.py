@@ -8,6 +8,7 @@ from extproc import config as config_mod
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.enginestats import Correction
 from extproc.learning import learning_for
+from extproc.running import Running
 from extproc.step import Ask, admit
 
 ENGINE = {"max_num_seqs": 4, "max_model_len": 8192, "num_gpu_blocks": 0}
@@ -155,8 +156,8 @@ def test_batch_requests_leave_the_interactive_reserve_alone() -> None:
     learning = learning_for(POOL)
     for t in range(0, 600, 2):  # interactive demand: one every 2 s, 4 s each: 2 in flight
         learning.arrived("latency", False, float(t))
-        learning.settled("latency", batch=False, seconds=4.0, deadline_s=10.0,
-                         completed=True, unavoidable=0.0, now=float(t))
+        learning.settled(Running("latency", t - 4.0, deadline_s=10.0), completed=True,
+                         now=float(t))
     reserve = learning.demand.reserve(600.0)
     assert reserve == pytest.approx(2 + 2 * 2 ** 0.5, rel=0.15)  # of 8 slots
     batch = Ask("throughput", 500, 200)
@@ -175,19 +176,19 @@ def test_interactive_requests_in_flight_fill_the_batch_reserve_not_beside_it() -
     learning = learning_for(POOL)
     for t in range(0, 600, 2):
         learning.arrived("latency", False, float(t))
-        learning.settled("latency", batch=False, seconds=4.0, deadline_s=10.0,
-                         completed=True, unavoidable=0.0, now=float(t))
+        learning.settled(Running("latency", t - 4.0, deadline_s=10.0), completed=True,
+                         now=float(t))
     batch = Ask("throughput", 500, 200)
     three = Snapshot(3, 3_000)
     assert admit(batch, POOL, CONFIG, learning, three, 2, 600.0).reason is Reason.NO_CAPACITY
     for _ in range(2):
-        learning.admitted("latency", 500, now=600.0)
+        learning.admitted(Running("latency", 600.0, prompt_tokens=500))
     assert learning.batch_reserve(CONFIG, 600.0) == pytest.approx(
         learning.demand.reserve(600.0) - 2)
     assert admit(batch, POOL, CONFIG, learning, three, 2, 600.0).outcome is Outcome.ADMIT
     # ... and never below nothing: interactive requests beyond their demand leave no credit
     for _ in range(6):
-        learning.admitted("latency", 500, now=600.0)
+        learning.admitted(Running("latency", 600.0, prompt_tokens=500))
     assert learning.batch_reserve(CONFIG, 600.0) == 0.0
 
 
@@ -208,10 +209,10 @@ def test_the_batch_reserve_counts_the_kv_of_the_interactive_requests_running_now
     for t in range(0, 600, 2):
         learning.arrived("latency", False, float(t))
         learning.arrived("throughput", True, float(t))
-        learning.settled("latency", batch=False, seconds=4.0, deadline_s=10.0,
-                         completed=True, unavoidable=0.0, now=float(t))
+        learning.settled(Running("latency", t - 4.0, deadline_s=10.0), completed=True,
+                         now=float(t))
     for _ in range(2):
-        learning.admitted("latency", 500, now=600.0)
+        learning.admitted(Running("latency", 600.0, prompt_tokens=500))
     batch = Ask("throughput", 500, 200)
     roomy = admit(batch, pool, config, learning, Snapshot(3, 3_000, 3 * 3_000), 2, 600.0)
     assert roomy.outcome is Outcome.ADMIT

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from extproc.engine import Sequence
+from extproc.running import Running
 from extproc.workload import Job
 
 
@@ -71,15 +72,12 @@ class Attempt(Sequence):
         "key",
         "number",
         "outcome",
-        "predicted_completion_s",
-        "predicted_step_ms",
-        "predicted_ttft_ms",
         "queued_at",
+        "record",
         "released",
         "replica",
         "started_at",
         "ttft_objective_s",
-        "unavoidable",
     )
 
     def __init__(self, job: Job, number: int, arrival: float, key: str, output_tokens: int,
@@ -102,11 +100,8 @@ class Attempt(Sequence):
         self.aborted = False  # the engine was told to drop it
         self.abandoned = False  # its client stopped waiting
         self.released = False
-        self.unavoidable = 0.0  # the admission step's: chance it misses even alone
         self.batch = False  # its class is a batch class
-        self.predicted_ttft_ms = 0.0  # what its admission predicted (its class learns from
-        self.predicted_step_ms = 0.0  # the difference to what happened)
-        self.predicted_completion_s = 0.0
+        self.record: Running | None = None  # once admitted (``extproc.running``)
         self.groups: tuple[str, ...] = ()  # its ledger groups (priority, tenant) once admitted
         self.ask: Any = None  # what the gateway's step is asked (``extproc.step.Ask``)
 

@@ -45,6 +45,7 @@ from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
 from extproc.lengths import Prior, decay_factor
 from extproc.retry import retry_delay_ms
+from extproc.running import Running
 from extproc.sim.autoscaler import Fixed, Observation, Recommender
 from extproc.sim.clients import Attempt, ClientModel
 from extproc.sim.engine import INF, Replica
@@ -515,7 +516,7 @@ class Simulation:
                         Correction(idle=idle))
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
                 adm = _refused(adm, Reason.PRIORITY)  # a higher band is held (extproc.defer)
-            outcome, retry_ms, unavoidable = adm.outcome, adm.retry_after_ms, adm.unavoidable
+            outcome, retry_ms = adm.outcome, adm.retry_after_ms
             service = adm.decision.service_ms if adm.decision is not None else 0.0
             kv = adm.kv_tokens
             if self._defers and outcome is Outcome.REJECT and adm.reason in DEFERRABLE:
@@ -538,14 +539,11 @@ class Simulation:
             decision = self.policy.decide(cost_of(ask, pool, learning), a.output_tokens,
                                           snapshot, capacity, policy, now,
                                           self._engine_view(now))
-            outcome, retry_ms, unavoidable = decision.outcome, decision.retry_after_ms, 0.0
+            outcome, retry_ms = decision.outcome, decision.retry_after_ms
             service, kv = decision.service_ms, job.prompt_tokens
         if held is not None:
             self.queue.sent(held) if outcome is not Outcome.REJECT else self.queue.remove(held)
-        a.unavoidable = unavoidable
         if adm is not None and adm.decision is not None:
-            a.predicted_ttft_ms, a.predicted_step_ms = adm.decision.ttft_ms, adm.decision.step_ms
-            a.predicted_completion_s = adm.decision.completion_ms / 1000.0
             self._prefill_rate = adm.prefill_rate
         if outcome is Outcome.REJECT:
             res.would_reject += 1
@@ -574,11 +572,13 @@ class Simulation:
             res.tally(g).admitted += 1
         self._window.admitted += 1
         self._sample.admitted += 1
-        learning.admitted(job.service_class, job.prompt_tokens, batch=a.batch,
-                          expected_s=a.predicted_completion_s, now=now,
-                          prefill_rate=self._prefill_rate, key=a.key,
-                          running=running_of(adm, now) if adm is not None else None,
-                          groups=ask.groups)
+        if adm is not None:
+            a.record = running_of(adm, now)
+        else:  # a baseline's: nothing predicted, resolved when its stream ends
+            a.record = Running(job.service_class, now, deadline_s=a.deadline_s, batch=a.batch,
+                               groups=ask.groups, prefill_rate=self._prefill_rate,
+                               prompt_tokens=job.prompt_tokens)
+        learning.admitted(a.record, key=a.key if adm is not None else None)
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
@@ -682,11 +682,9 @@ class Simulation:
         a.released = True
         self.ledger.release(a.key, self.pool.name)
         self._wake()
-        self.learning.settled(a.job.service_class, batch=a.batch,
-                              seconds=self.now - a.arrival, deadline_s=a.deadline_s,
-                              completed=completed, unavoidable=a.unavoidable, now=self.now,
-                              ttft_ms=a.predicted_ttft_ms, step_ms=a.predicted_step_ms,
-                              key=a.key, groups=a.groups)
+        assert a.record is not None
+        self.learning.settled(a.record, completed=completed, now=self.now,
+                              key=a.key)
 
     def _wake(self) -> None:
         """Capacity came back: a pass over what is held, once the event at hand is done."""
