@@ -439,10 +439,8 @@ class Gate:
         return snapshot, time.monotonic() - age
 
     def _verdict(self, adm: Admission, pool: str) -> Verdict:
-        return Verdict(adm.outcome, adm.reason, pool, adm.service_class, adm.decision,
-                       error=adm.error, enforced=self.config.mode is Mode.ENFORCE,
-                       prompt_tokens=adm.cost.prompt_tokens,
-                       output_tokens=adm.cost.output_tokens, admission=adm)
+        return Verdict(adm.outcome, adm.reason, pool, adm.service_class, error=adm.error,
+                       enforced=self.config.mode is Mode.ENFORCE, admission=adm)
 
     async def _publish(self, pool: str, level: int | None) -> None:
         """Tell the ledger the highest priority this gateway holds (``Ledger.wait``), so

@@ -18,14 +18,18 @@ import asyncio
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.admission import Decision, Outcome, Reason
-from extproc.decisionlog import Pending
-from extproc.errors import RequestError
-from extproc.running import Running
-from extproc.step import Admission
-from extproc.tenant import Tenant
+from extproc.admission import Outcome, Reason
+
+if TYPE_CHECKING:  # names for annotations only: importing the step would put the whole policy
+    # core under every module that hands out a ticket (the leases, the server)
+    from extproc.admission import Decision
+    from extproc.decisionlog import Pending
+    from extproc.errors import RequestError
+    from extproc.running import Running
+    from extproc.step import Admission
+    from extproc.tenant import Tenant
 
 
 @dataclass
@@ -52,9 +56,12 @@ class Ticket:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One request's answer: its ``outcome`` and ``reason`` (the metric labels), what was
-    decided and on what (``decision``, ``admission``: None when it was refused or passed
-    before a decision), and the ``ticket`` of a request that will reach the backend.
+    """One request's answer: its ``outcome`` and ``reason`` (the metric labels), the step's
+    ``admission`` it answers (None when it was refused or passed before a decision: what was
+    decided, on what, and its tokens are read from it), and the ``ticket`` of a request that
+    will reach the backend. The outcome is the gate's last word: a fail-closed ledger outage
+    refuses an admission the step made (which stays as made, for the Retry-After hint);
+    ``contended`` and ``refused_held`` refuse the admission itself.
 
     ``enforced`` is False in shadow mode: a rejected request continues all the same, so only
     ``blocks`` says whether the server answers in the backend's place."""
@@ -63,16 +70,26 @@ class Verdict:
     reason: Reason
     pool: str | None = None
     service_class: str | None = None
-    decision: Decision | None = None
     error: RequestError | None = None
     ticket: Ticket | None = None
     enforced: bool = True  # False in shadow mode: the request continues whatever the outcome
-    prompt_tokens: int = 0
-    output_tokens: int = 0  # output charged
     trace: Mapping[str, Any] | None = None  # span attributes known only here (when tracing)
     tenant: Tenant | None = None  # who is charged (extproc.tenant); None: attribution off
     admission: Admission | None = None  # the step's answer, when it decided
     held_ms: float = 0.0  # how long the gateway held it before this answer (extproc.defer)
+
+    @property
+    def decision(self) -> Decision | None:
+        return self.admission.decision if self.admission is not None else None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.admission.cost.prompt_tokens if self.admission is not None else 0
+
+    @property
+    def output_tokens(self) -> int:
+        """The output charged."""
+        return self.admission.cost.output_tokens if self.admission is not None else 0
 
     @property
     def blocks(self) -> bool:
@@ -90,22 +107,27 @@ def invalid(error: RequestError, pool: str | None, cls: str) -> Verdict:
 def refused_held(verdict: Verdict, reason: Reason, retry_ms: float) -> Verdict:
     """A request that was, or would have been, held is refused after all (``extproc.defer``):
     a 429 with ``reason`` and a Retry-After of ``retry_ms`` (the queue's predicted drain)."""
-    assert verdict.decision is not None
-    decision = dataclasses.replace(verdict.decision, outcome=Outcome.REJECT, reason=reason,
-                                   ceiling_ms=None, retry_after_ms=max(1.0, retry_ms))
-    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason,
-                               decision=decision, ticket=None)
+    refused = _refused(verdict, reason, retry_after_ms=max(1.0, retry_ms))
+    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason, ticket=None,
+                               admission=refused)
 
 
 def contended(verdict: Verdict, reason: Reason = Reason.DEADLINE) -> Verdict:
     """An admission that does not run after all (a 429, or held): every reserve was refused,
     other gateways keep filling the room we saw; or (``reason`` ``PRIORITY``) a higher
     priority is held, here or by another gateway (``extproc.defer``, ``Ledger.wait``)."""
-    assert verdict.decision is not None
-    decision = dataclasses.replace(verdict.decision, outcome=Outcome.REJECT,
-                                   reason=reason, ceiling_ms=None)
     return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason,
-                               decision=decision)
+                               admission=_refused(verdict, reason))
+
+
+def _refused(verdict: Verdict, reason: Reason, **decision: Any) -> Admission:
+    """The verdict's admission, refused for ``reason`` (its decision too, with no ceiling)."""
+    adm = verdict.admission
+    assert adm is not None and adm.decision is not None
+    refused = dataclasses.replace(adm.decision, outcome=Outcome.REJECT, reason=reason,
+                                  ceiling_ms=None, **decision)
+    return dataclasses.replace(adm, outcome=Outcome.REJECT, reason=reason, decision=refused,
+                               ceiling_ms=None, max_inflight=None)
 
 
 class Listener(Protocol):
