@@ -21,10 +21,10 @@ import dataclasses
 import math
 
 from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot, decide
-from extproc.config import Config
 from extproc.learning import PoolLearning
 from extproc.ledger import Cap
 from extproc.level import measured
+from extproc.rules import Rules
 from extproc.share import (
     RESERVE_Z,
     level_of,
@@ -36,11 +36,11 @@ from extproc.share import (
 )
 
 
-def caps(tenant: str | None, config: Config) -> tuple[Cap, ...]:
+def caps(tenant: str | None, rules: Rules) -> tuple[Cap, ...]:
     """A tenant's hard caps (``tenant.tenants.<name>`` or ``tenant.others``)."""
     if tenant is None:
         return ()
-    policy = config.tenant.policy(tenant)
+    policy = rules.tenant.policy(tenant)
     if policy.max_inflight is None and policy.max_outstanding_s is None:
         return ()
     most_ms = None if policy.max_outstanding_s is None else policy.max_outstanding_s * 1000.0
@@ -62,7 +62,7 @@ def at_cap(caps: tuple[Cap, ...], decision: Decision, snapshot: Snapshot) -> Dec
 
 
 def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Decision,
-                    policy: Policy, config: Config, learning: PoolLearning, snapshot: Snapshot,
+                    policy: Policy, rules: Rules, learning: PoolLearning, snapshot: Snapshot,
                     capacity: Capacity, share: float, now: float
                     ) -> tuple[Decision | None, int]:
     """Priorities and fair shares (``extproc.share``): an admitted request must also fit after
@@ -74,9 +74,9 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     request (``PoolLearning.decided``: deciding only reads)."""
     # With defer on, a higher priority that finds the pool full is held and goes first at the
     # next release (``extproc.defer``): no room is kept for its predicted arrivals.
-    protected = [] if config.defer.enabled else [
+    protected = [] if rules.holds else [
         g for g in learning.flows if (level := level_of(g)) is not None and level > priority]
-    several = tenant is not None and config.tenant.fair_share and sum(
+    several = tenant is not None and rules.tenant.fair_share and sum(
         1 for g in learning.flows if tenant_of(g) is not None) > 1
     if not protected and not several:
         return None, 0
@@ -90,7 +90,7 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     if tenant is not None and several:
         # Shares of what the model admits: the measured level, which may be higher, is
         # probed by whoever asks, and a burst asks most (it would be nobody's over-share).
-        under = _under_their_share(tenant, decision, config, learning, snapshot,
+        under = _under_their_share(tenant, decision, rules, learning, snapshot,
                                    model * mean_ms, mean_ms, share, now)
         over = under is not None
         protected += under or []
@@ -118,7 +118,7 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
         max_inflight=min(decision.max_inflight, seen.max_inflight - kept)), limit
 
 
-def _under_their_share(tenant: str, decision: Decision, config: Config,
+def _under_their_share(tenant: str, decision: Decision, rules: Rules,
                        learning: PoolLearning, snapshot: Snapshot, room: float, mean_ms: float,
                        share: float, now: float) -> list[str] | None:
     """None when ``tenant`` is within its weighted max-min share of ``room``, the work the
@@ -127,7 +127,7 @@ def _under_their_share(tenant: str, decision: Decision, config: Config,
     for. A tenant's demand is its
     outstanding work, or what its arrivals keep in flight (Little's law), whichever is more:
     a tenant crowded out still wants its share."""
-    weights = config.tenant.policy
+    weights = rules.tenant.policy
     demands = {t: (work, weights(t).weight) for g, (_, work) in snapshot.groups.items()
                if (t := tenant_of(g)) is not None}
     for g, flow in learning.flows.items():

@@ -88,6 +88,7 @@ from extproc.lengths import decay_factor
 from extproc.metrics import Metrics
 from extproc.pricing import Pricing, Uncounted
 from extproc.request import InferenceRequest, deadline_ms, parse
+from extproc.rules import Rules
 from extproc.share import parse_priority
 from extproc.step import (
     NO_CORRECTION,
@@ -127,6 +128,7 @@ class Gate:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.rules = Rules.of(config)  # what the step reads of it (``extproc.rules``)
         self.engines = dict(engines or {})  # pool name -> its engines' scraper (started elsewhere)
         self.ledger = ledger
         self.capacity = capacity
@@ -249,7 +251,7 @@ class Gate:
             return invalid(exc, pool.name, cls)
         who = tenant.name if tenant is not None else None
         ask = dataclasses.replace(ask, tenant=who, priority=priority_of(
-            self.config, cls, who, self._stated_priority(headers)), destination=destination)
+            self.rules, cls, who, self._stated_priority(headers)), destination=destination)
         arrived = self._clock()
         self.learning[pool.name].arrived(cls, self.config.classes[cls].batch, arrived,
                                          ask.prompt_tokens, ask.groups)
@@ -288,7 +290,7 @@ class Gate:
             local = self.leases.local(pool.name)
             fix = self._engine_correction(pool, local, engines)
             now, learning = self._clock(), self.learning[pool.name]
-            a, b = (admit(x, pool, self.config, learning, local, replicas, now, fix)
+            a, b = (admit(x, pool, self.rules, learning, local, replicas, now, fix)
                     for x in (low, high))
             return (a.outcome, a.reason) != (b.outcome, b.reason)
         return close
@@ -378,7 +380,7 @@ class Gate:
                     leases.saw(pool.name, snapshot, sent_at)
                     self.metrics.groups(pool.name, snapshot, ask.groups, self._labels.label)
                     fix = self._engine_correction(pool, snapshot, engines, ask.destination)
-                    verdict = self._verdict(admit(ask, pool, self.config, learning, snapshot,
+                    verdict = self._verdict(admit(ask, pool, self.rules, learning, snapshot,
                                                   replicas, self._clock(), fix), pool.name)
                     if not current and not (verdict.enforced
                                             and verdict.outcome is Outcome.ADMIT):
@@ -462,7 +464,7 @@ class Gate:
         self.metrics.ledger_fallbacks.labels(pool.name, on_unavailable.value).inc()
         local = self.leases.local(pool.name)
         fix = self._engine_correction(pool, local, engines, ask.destination)
-        verdict = self._verdict(admit(ask, pool, self.config, self.learning[pool.name], local,
+        verdict = self._verdict(admit(ask, pool, self.rules, self.learning[pool.name], local,
                                       replicas, self._clock(), fix), pool.name)
         if on_unavailable is OnUnavailable.FAIL_CLOSED and verdict.outcome is not Outcome.INVALID:
             # Fail-closed: we cannot record the request, so we do not let it run.

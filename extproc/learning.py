@@ -117,9 +117,10 @@ import math
 from dataclasses import dataclass, field
 
 from extproc.admission import Mix
-from extproc.config import Config, Pool
+from extproc.config import Pool
 from extproc.lengths import Lengths, Prior
 from extproc.level import Level
+from extproc.rules import Rules
 from extproc.running import Running
 
 TARGET_ATTAINMENT = 0.99
@@ -364,20 +365,18 @@ class PoolLearning:
             promise = self.promises[service_class] = Promise()
         return promise
 
-    def interactive_classes(self, config: Config) -> list[str]:
+    def interactive_classes(self, rules: Rules) -> list[str]:
         """The classes without ``batch`` that the pool serves (``CLASS_SHARE`` of recent
         requests or more)."""
         total = sum(self._asked.values())
         return [c for c, n in self._asked.items()
-                if n >= CLASS_SHARE * total and c in config.classes
-                and not config.classes[c].batch]
+                if n >= CLASS_SHARE * total and c in rules.classes and not rules.batch(c)]
 
-    def batch_reserve(self, config: Config, now: float) -> float:
+    def batch_reserve(self, rules: Rules, now: float) -> float:
         """Slots a batch request must leave free beyond those it takes: what the interactive
         classes need (``Demand.reserve``) less what their requests hold now, which the pool's
         in-flight count already has. A read."""
-        held = sum(n for c, n in self.inflight.items()
-                   if c in config.classes and not config.classes[c].batch)
+        held = sum(n for c, n in self.inflight.items() if c in rules.classes and not rules.batch(c))
         return max(0.0, self.demand.reserve(now) - held)
 
     def _several(self) -> bool:

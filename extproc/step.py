@@ -63,13 +63,14 @@ from extproc.admission import (
     Snapshot,
     decide,
 )
-from extproc.config import Config, Infeasible, Pool
+from extproc.config import Infeasible, Pool
 from extproc.enginestats import Correction
 from extproc.errors import BadRequest, RequestError
 from extproc.learning import PoolLearning
 from extproc.ledger import Cap
 from extproc.lengths import PRIOR_SAMPLES
 from extproc.level import measured
+from extproc.rules import Rules
 from extproc.running import Running
 from extproc.share import priority_group, tenant_group
 
@@ -161,26 +162,26 @@ class Admission:
         return self.decision.retry_after_ms if self.decision is not None else None
 
 
-def class_policy(config: Config, service_class: str, deadline_ms: float | None) -> Policy:
+def class_policy(rules: Rules, service_class: str, deadline_ms: float | None) -> Policy:
     """The class's budget, its deadline tightened (never loosened) by the client's header."""
-    cls = config.classes[service_class]
+    cls = rules.classes[service_class]
     deadline = cls.deadline_ms if deadline_ms is None else min(cls.deadline_ms, deadline_ms)
     return Policy(deadline_ms=deadline, safety_factor=cls.safety_factor, ttft_ms=cls.ttft_ms,
                   batch=cls.batch)
 
 
-def priority_of(config: Config, service_class: str, tenant: str | None,
+def priority_of(rules: Rules, service_class: str, tenant: str | None,
                 stated: int | None = None) -> int:
     """A request's priority: as stated (a header Envoy sets), else its tenant's, else its
     class's, else ``priority.default``."""
     if stated is not None:
         return stated
-    if tenant is not None and (level := config.tenant.policy(tenant).priority) is not None:
+    if tenant is not None and (level := rules.tenant.policy(tenant).priority) is not None:
         return level
-    cls = config.classes.get(service_class)
+    cls = rules.classes.get(service_class)
     if cls is not None and cls.priority is not None:
         return cls.priority
-    return config.priority.default
+    return rules.default_priority
 
 
 def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
@@ -235,10 +236,10 @@ def kv_of(ask: Ask, pool: Pool, learning: PoolLearning) -> int:
     return round(cost_of(ask, pool, learning).kv)
 
 
-def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot: Snapshot,
+def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: Snapshot,
           replicas: int, now: float, correction: Correction = NO_CORRECTION) -> Admission:
     """Decide one request (module docstring)."""
-    whole = class_policy(config, ask.service_class, ask.deadline_ms)
+    whole = class_policy(rules, ask.service_class, ask.deadline_ms)
     policy = waited(whole, ask.waited_ms)
     cost = cost_of(ask, pool, learning)
     limit = pool.engine.max_model_len
@@ -252,7 +253,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
                          error=too_long)
 
     capacity = capacity_for(pool, replicas, learning,
-                            learning.batch_reserve(config, now) if policy.batch else 0.0)
+                            learning.batch_reserve(rules, now) if policy.batch else 0.0)
     # The prefill backlog is this gateway's; behind several gateways it is the share of the
     # ledger's requests this one holds: the fleet's is that scaled up, draining at the
     # fleet's rate (this one's share of it drains at the same share of the rate).
@@ -272,8 +273,8 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         outcome, reason = Outcome.REJECT, Reason.QUEUE_DEADLINE
         decision = dataclasses.replace(decision, outcome=outcome, reason=reason)
     elif reason is Reason.INFEASIBLE:
-        tightened = policy.deadline_ms < config.classes[ask.service_class].deadline_ms
-        if tightened or config.infeasible is Infeasible.REJECT:
+        tightened = policy.deadline_ms < rules.classes[ask.service_class].deadline_ms
+        if tightened or rules.infeasible is Infeasible.REJECT:
             error = BadRequest(
                 "request cannot finish within its deadline even on an idle fleet; lower"
                 " max_tokens or raise the deadline", code="deadline_infeasible")
@@ -287,12 +288,12 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
                                            retry_after_ms=max(slot_ms, 1.0))
             outcome = Outcome.REJECT
     if (outcome is Outcome.ADMIT and policy.batch) or outcome is Outcome.PASS:
-        crowded = _crowds_out(ask, cost, decision, pool, config, learning, snapshot, capacity,
+        crowded = _crowds_out(ask, cost, decision, pool, rules, learning, snapshot, capacity,
                               now)
         if crowded is not None:
             decision, outcome = crowded, crowded.outcome
             reason = reason if reason is Reason.INFEASIBLE else crowded.reason
-    caps = contention.caps(ask.tenant, config)
+    caps = contention.caps(ask.tenant, rules)
     limit = 0
     if outcome in (Outcome.ADMIT, Outcome.PASS):
         changed = contention.at_cap(caps, decision, snapshot)
@@ -300,7 +301,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
                 and decision.reason is not Reason.IDLE):
             # (while a replica has nothing to do, no room is kept: ``extproc.level``)
             changed, limit = contention.room_for_others(
-                ask.tenant, ask.priority, cost, decision, policy, config, learning, snapshot,
+                ask.tenant, ask.priority, cost, decision, policy, rules, learning, snapshot,
                 capacity, share, now)
         if changed is not None:
             decision, outcome, reason = changed, changed.outcome, changed.reason
@@ -316,7 +317,7 @@ def admit(ask: Ask, pool: Pool, config: Config, learning: PoolLearning, snapshot
         most -= correction.extra_inflight
     return Admission(
         outcome, reason, ask.service_class, policy, cost, decision, error,
-        lease_ms=decision.completion_ms + config.ledger.lease_grace_ms if runs else 0.0,
+        lease_ms=decision.completion_ms + rules.lease_grace_ms if runs else 0.0,
         ceiling_ms=ceiling if outcome is Outcome.ADMIT else None,
         max_inflight=most if outcome is Outcome.ADMIT else None,
         unavoidable=alone,
@@ -367,7 +368,7 @@ def running_of(adm: Admission, now: float) -> Running:
                    streaming=adm.streaming)
 
 
-def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Config,
+def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, rules: Rules,
                 learning: PoolLearning, snapshot: Snapshot, capacity: Capacity,
                 now: float) -> Decision | None:
     """A batch request (or an infeasible one passed) is admitted only if the interactive
@@ -383,7 +384,7 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Co
     # is the margin (without it, on a KV-bound fleet, batch work filled the KV cache the
     # latency class needed: docs/admission.md).
     reserve = math.ceil(capacity.reserved)
-    batch = config.classes[ask.service_class].batch  # (else: an infeasible request passed)
+    batch = rules.classes[ask.service_class].batch  # (else: an infeasible request passed)
     grows = math.ceil(learning.demand.reserve(now)) if batch else 0
     mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
     mean_kv = (snapshot.kv_tokens / n) if n else cost.kv
@@ -393,9 +394,9 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, config: Co
                      snapshot.prefill_tokens + cost.prompt_tokens)
     plain = dataclasses.replace(capacity, reserved=0.0)
     prompt = round(capacity.mix.prompt_tokens)
-    for other in learning.interactive_classes(config):
+    for other in learning.interactive_classes(rules):
         probe = cost_of(Ask(other, prompt, None), pool, learning)
-        seen = decide(probe, after, plain, class_policy(config, other, None), now)
+        seen = decide(probe, after, plain, class_policy(rules, other, None), now)
         if not seen.admitted and seen.reason is not Reason.INFEASIBLE:  # (ours to prevent)
             return dataclasses.replace(decision, outcome=Outcome.REJECT,
                                        reason=Reason.NO_CAPACITY, ceiling_ms=None,

@@ -22,6 +22,7 @@ from extproc.admission import Outcome, Reason, Snapshot
 from extproc.enginestats import Correction
 from extproc.learning import PoolLearning, learning_for
 from extproc.level import BACKOFF, Level
+from extproc.rules import Rules
 from extproc.running import Running
 from extproc.share import CRITICAL, SHEDDABLE
 from extproc.sim import families, policies
@@ -38,6 +39,7 @@ CONFIG = config_mod.from_mapping({
                "expected_output_tokens": 200, "long_output_tokens": 1500}],
     "classes": {"latency": {"deadline_ms": DEADLINE_S * 1000, "ttft_ms": 3000}},
 })
+RULES = Rules.of(CONFIG)
 POOL = CONFIG.pools[0]
 
 
@@ -54,7 +56,7 @@ def ask(priority: int = 0) -> Ask:
 
 def at(n: int, learning: PoolLearning) -> Snapshot:
     """``n`` requests like ``ask()`` in flight."""
-    charge = admit(ask(), POOL, CONFIG, learning, Snapshot(0, 0.0), R, 0.0).decision
+    charge = admit(ask(), POOL, RULES, learning, Snapshot(0, 0.0), R, 0.0).decision
     assert charge is not None
     return Snapshot(n, n * charge.service_ms)
 
@@ -62,7 +64,7 @@ def at(n: int, learning: PoolLearning) -> Snapshot:
 def decide_at(learning: PoolLearning, n: int, now: float, a: Ask | None = None) -> Admission:
     a = a or ask()
     learning.arrived(a.service_class, False, now, a.prompt_tokens, a.groups)
-    adm = admit(a, POOL, CONFIG, learning, at(n, learning), R, now)
+    adm = admit(a, POOL, RULES, learning, at(n, learning), R, now)
     learning.decided(adm.limit, adm.load_ms, now)
     return adm
 
@@ -217,17 +219,17 @@ def test_work_conservation_a_request_whose_own_replica_is_idle_is_admitted() -> 
     and is no evidence for the measured level: it ran where the pool's load was not."""
     learning = strictest()
     full = at(R * SLOTS, learning)
-    refused = admit(ask(), POOL, CONFIG, learning, full, R, 0.0)
+    refused = admit(ask(), POOL, RULES, learning, full, R, 0.0)
     assert refused.outcome is Outcome.REJECT
-    idle = admit(ask(), POOL, CONFIG, learning, full, R, 0.0, Correction(idle=True))
+    idle = admit(ask(), POOL, RULES, learning, full, R, 0.0, Correction(idle=True))
     assert (idle.outcome, idle.reason) == (Outcome.ADMIT, Reason.IDLE)
     assert (idle.ceiling_ms, idle.max_inflight) == (None, None)
-    assert admit(ask(CRITICAL), POOL, CONFIG, learning, full, R, 0.0,
+    assert admit(ask(CRITICAL), POOL, RULES, learning, full, R, 0.0,
                  Correction(idle=True)).reason is Reason.IDLE
     # longer than one replica's KV cache: no idle replica can take it
     small = dataclasses.replace(POOL, engine=dataclasses.replace(
         POOL.engine, num_gpu_blocks=64, block_size=16))  # 1,024 tokens
-    assert admit(ask(), small, CONFIG, learning, full, R, 0.0,
+    assert admit(ask(), small, RULES, learning, full, R, 0.0,
                  Correction(idle=True)).outcome is Outcome.REJECT
 
     running = running_of(idle, 0.0)
@@ -458,9 +460,9 @@ def test_the_decision_only_reads() -> None:
         _, now = generation(learning, now)
     before = pickle.dumps(learning)
     for n in (0, R, 5 * R, R * SLOTS):
-        admit(ask(), POOL, CONFIG, learning, Snapshot(n, n * 2000.0), R, now + 0.5)
-        admit(ask(CRITICAL), POOL, CONFIG, learning, Snapshot(n, n * 2000.0), R, now + 7.0)
-        admit(ask(SHEDDABLE), POOL, CONFIG, learning, Snapshot(n, n * 2000.0), R, now + 9.0)
+        admit(ask(), POOL, RULES, learning, Snapshot(n, n * 2000.0), R, now + 0.5)
+        admit(ask(CRITICAL), POOL, RULES, learning, Snapshot(n, n * 2000.0), R, now + 7.0)
+        admit(ask(SHEDDABLE), POOL, RULES, learning, Snapshot(n, n * 2000.0), R, now + 9.0)
     assert pickle.dumps(learning) == before
 
 
@@ -468,7 +470,7 @@ def test_a_request_refused_before_the_pool_was_looked_at_records_no_load() -> No
     """A 400 for its context length saw no snapshot: its load is not the pool's (recorded,
     a 0 would wipe the loads running requests are judged at)."""
     learning = bimodal()
-    too_long = admit(Ask("latency", 40_000, 16), POOL, CONFIG, learning, at(R, learning), R, 0.0)
+    too_long = admit(Ask("latency", 40_000, 16), POOL, RULES, learning, at(R, learning), R, 0.0)
     assert too_long.outcome is Outcome.INVALID and too_long.load_ms is None
     seen = decide_at(learning, 2 * R, 0.0)
     assert seen.load_ms is not None and seen.load_ms > 0.0

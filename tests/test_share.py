@@ -12,6 +12,7 @@ from extproc.admission import Outcome, Reason, Snapshot
 from extproc.config import TenantConfig
 from extproc.contention import _kept
 from extproc.learning import learning_for
+from extproc.rules import Rules
 from extproc.running import Running
 from extproc.share import (
     CRITICAL,
@@ -77,11 +78,11 @@ def settings(**tenant: object) -> config_mod.Config:
 
 
 def test_priority_comes_from_the_header_then_the_tenant_then_the_class() -> None:
-    config = settings(tenants={"gold": {"priority": "critical"}})
-    assert priority_of(config, "latency", "gold", stated=SHEDDABLE) == SHEDDABLE
-    assert priority_of(config, "latency", "gold") == CRITICAL
-    assert priority_of(config, "latency", "someone") == STANDARD
-    assert priority_of(config, "throughput", None) == SHEDDABLE  # the default
+    rules = Rules.of(settings(tenants={"gold": {"priority": "critical"}}))
+    assert priority_of(rules, "latency", "gold", stated=SHEDDABLE) == SHEDDABLE
+    assert priority_of(rules, "latency", "gold") == CRITICAL
+    assert priority_of(rules, "latency", "someone") == STANDARD
+    assert priority_of(rules, "throughput", None) == SHEDDABLE  # the default
 
 
 def busy_pool(config: config_mod.Config, critical_rate: float) -> tuple[object, Snapshot]:
@@ -104,17 +105,16 @@ def busy_pool(config: config_mod.Config, critical_rate: float) -> tuple[object, 
 
 def test_a_lower_priority_leaves_room_for_the_higher_one_s_expected_arrivals() -> None:
     config = settings()
-    pool = config.pools[0]
+    pool, rules = config.pools[0], Rules.of(config)
     ask = Ask("latency", 500, 100, tenant="t", priority=STANDARD)
     quiet, snapshot = busy_pool(config, critical_rate=0.0)
-    assert admit(ask, pool, config, quiet, snapshot, 4, 60.0).outcome is Outcome.ADMIT
+    assert admit(ask, pool, rules, quiet, snapshot, 4, 60.0).outcome is Outcome.ADMIT
     busy, snapshot = busy_pool(config, critical_rate=4.0)
-    refused = admit(ask, pool, config, busy, snapshot, 4, 60.0)
+    refused = admit(ask, pool, rules, busy, snapshot, 4, 60.0)
     assert (refused.outcome, refused.reason) == (Outcome.REJECT, Reason.PRIORITY)
     assert refused.retry_after_ms is not None and refused.retry_after_ms > 0
     # the critical request itself is decided on the pool alone
-    top = admit(dataclasses.replace(ask, priority=CRITICAL), pool, config, busy, snapshot, 4,
-                60.0)
+    top = admit(dataclasses.replace(ask, priority=CRITICAL), pool, rules, busy, snapshot, 4, 60.0)
     assert top.outcome is Outcome.ADMIT
     assert top.groups == ("p:1", "t:t")
 
@@ -162,18 +162,18 @@ def test_no_room_is_kept_for_a_priority_there_is_no_evidence_of() -> None:
 
 def test_a_tenant_at_its_cap_is_refused_on_the_snapshot_and_the_cap_goes_to_the_ledger() -> None:
     config = settings(tenants={"acme": {"max_inflight": 3, "max_outstanding_s": 100}})
-    pool = config.pools[0]
+    pool, rules = config.pools[0], Rules.of(config)
     learning = learning_for(pool)
     ask = Ask("latency", 500, 100, tenant="acme", priority=STANDARD)
     free = Snapshot(3, 900.0, groups={"t:acme": (2, 600.0)})
-    admitted = admit(ask, pool, config, learning, free, 4, 0.0)
+    admitted = admit(ask, pool, rules, learning, free, 4, 0.0)
     assert admitted.outcome is Outcome.ADMIT
     assert [(c.group, c.max_inflight, c.max_ms) for c in admitted.caps] == [
         ("t:acme", 3, 100_000.0)]
     full = Snapshot(3, 900.0, groups={"t:acme": (3, 900.0)})
-    refused = admit(ask, pool, config, learning, full, 4, 0.0)
+    refused = admit(ask, pool, rules, learning, full, 4, 0.0)
     assert (refused.outcome, refused.reason) == (Outcome.REJECT, Reason.TENANT_CAP)
-    other = admit(dataclasses.replace(ask, tenant="beta"), pool, config, learning, full, 4, 0.0)
+    other = admit(dataclasses.replace(ask, tenant="beta"), pool, rules, learning, full, 4, 0.0)
     assert other.outcome is Outcome.ADMIT and other.caps == ()
 
 
@@ -277,11 +277,11 @@ def test_the_admission_limit_is_found_from_any_hint(n: int) -> None:
     from extproc.step import capacity_for, class_policy
 
     config = settings()
-    pool = config.pools[0]
+    pool, rules = config.pools[0], Rules.of(config)
     capacity = capacity_for(pool, 4, learning_for(pool))
     cost = Cost(800, 256, 200.0, 400.0)
     snapshot = Snapshot(n, n * 900.0, n * 1200)
-    policy = class_policy(config, "latency", None)
+    policy = class_policy(rules, "latency", None)
     exact = admission_limit(cost, snapshot, capacity, policy, 0.0)
     assert exact > 1
     for hint in (None, 1.0, exact - 3.0, float(exact), exact + 1.0, exact * 10.0):

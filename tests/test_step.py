@@ -8,6 +8,7 @@ from extproc import config as config_mod
 from extproc.admission import Outcome, Reason, Snapshot
 from extproc.enginestats import Correction
 from extproc.learning import learning_for
+from extproc.rules import Rules
 from extproc.running import Running
 from extproc.step import Ask, admit
 
@@ -24,6 +25,7 @@ def settings(**top: Any) -> config_mod.Config:
 
 
 CONFIG = settings()
+RULES = Rules.of(CONFIG)
 POOL = CONFIG.pools[0]
 
 
@@ -32,7 +34,8 @@ NONE = Correction()
 
 def step(ask: Ask, snapshot: Snapshot = IDLE, config: config_mod.Config = CONFIG,
          correction: Correction = NONE, replicas: int = 2) -> Any:
-    return admit(ask, POOL, config, learning_for(POOL), snapshot, replicas, 0.0, correction)
+    rules = Rules.of(config)
+    return admit(ask, POOL, rules, learning_for(POOL), snapshot, replicas, 0.0, correction)
 
 
 def test_an_ordinary_request_on_an_idle_fleet_is_admitted_with_a_lease_and_a_ceiling() -> None:
@@ -49,12 +52,12 @@ def test_once_measured_the_promise_is_a_quantile_of_the_class_lengths() -> None:
     learning = learning_for(POOL)
     for _ in range(100):
         learning.finished(150)
-    adm = admit(Ask("latency", 500, 2000), POOL, CONFIG, learning, IDLE, 2, 0.0)
+    adm = admit(Ask("latency", 500, 2000), POOL, RULES, learning, IDLE, 2, 0.0)
     assert adm.cost.typical == pytest.approx(150, rel=0.05)
     assert adm.cost.promised == pytest.approx(
         learning.lengths.quantile(learning.promise("latency").quantile))
     assert adm.cost.promised > adm.cost.typical
-    capped = admit(Ask("latency", 500, 100), POOL, CONFIG, learning, IDLE, 2, 0.0)
+    capped = admit(Ask("latency", 500, 100), POOL, RULES, learning, IDLE, 2, 0.0)
     assert capped.cost.promised == 100  # never above max_tokens
 
 
@@ -74,7 +77,7 @@ def test_each_of_n_choices_is_a_sequence_charged_its_slot_its_kv_and_its_decode(
     learning = learning_for(POOL)
     for _ in range(200):
         learning.finished(100)
-    one, four = (admit(Ask("latency", 500, 200, choices=n), POOL, CONFIG, learning, IDLE, 2,
+    one, four = (admit(Ask("latency", 500, 200, choices=n), POOL, RULES, learning, IDLE, 2,
                        0.0) for n in (1, 4))
     assert four.cost.typical == one.cost.typical  # each sequence's
     assert four.cost.kv - 500 == pytest.approx(4 * (one.cost.kv - 500))  # the prompt is shared
@@ -85,8 +88,8 @@ def test_each_of_n_choices_is_a_sequence_charged_its_slot_its_kv_and_its_decode(
     assert four.cost.promised >= one.cost.promised
     # seven of eight slots taken: one choice fits, four do not (they would queue)
     busy = Snapshot(7, 7 * one.decision.service_ms)
-    assert admit(Ask("latency", 500, 200), POOL, CONFIG, learning, busy, 2, 0.0).runs
-    refused = admit(Ask("latency", 500, 200, choices=4), POOL, CONFIG, learning, busy, 2, 0.0)
+    assert admit(Ask("latency", 500, 200), POOL, RULES, learning, busy, 2, 0.0).runs
+    refused = admit(Ask("latency", 500, 200, choices=4), POOL, RULES, learning, busy, 2, 0.0)
     assert not refused.runs and refused.decision.position == 3
 
 
@@ -161,10 +164,10 @@ def test_batch_requests_leave_the_interactive_reserve_alone() -> None:
     reserve = learning.demand.reserve(600.0)
     assert reserve == pytest.approx(2 + 2 * 2 ** 0.5, rel=0.15)  # of 8 slots
     batch = Ask("throughput", 500, 200)
-    assert admit(batch, POOL, CONFIG, learning, IDLE, 2, 600.0).outcome is Outcome.ADMIT
-    busy = admit(batch, POOL, CONFIG, learning, Snapshot(3, 3_000), 2, 600.0)
+    assert admit(batch, POOL, RULES, learning, IDLE, 2, 600.0).outcome is Outcome.ADMIT
+    busy = admit(batch, POOL, RULES, learning, Snapshot(3, 3_000), 2, 600.0)
     assert (busy.outcome, busy.reason) == (Outcome.REJECT, Reason.NO_CAPACITY)
-    assert admit(Ask("latency", 500, 200), POOL, CONFIG, learning, Snapshot(3, 3_000), 2,
+    assert admit(Ask("latency", 500, 200), POOL, RULES, learning, Snapshot(3, 3_000), 2,
                  600.0).outcome is Outcome.ADMIT
 
 
@@ -180,16 +183,16 @@ def test_interactive_requests_in_flight_fill_the_batch_reserve_not_beside_it() -
                          now=float(t))
     batch = Ask("throughput", 500, 200)
     three = Snapshot(3, 3_000)
-    assert admit(batch, POOL, CONFIG, learning, three, 2, 600.0).reason is Reason.NO_CAPACITY
+    assert admit(batch, POOL, RULES, learning, three, 2, 600.0).reason is Reason.NO_CAPACITY
     for _ in range(2):
         learning.admitted(Running("latency", 600.0, prompt_tokens=500))
-    assert learning.batch_reserve(CONFIG, 600.0) == pytest.approx(
+    assert learning.batch_reserve(RULES, 600.0) == pytest.approx(
         learning.demand.reserve(600.0) - 2)
-    assert admit(batch, POOL, CONFIG, learning, three, 2, 600.0).outcome is Outcome.ADMIT
+    assert admit(batch, POOL, RULES, learning, three, 2, 600.0).outcome is Outcome.ADMIT
     # ... and never below nothing: interactive requests beyond their demand leave no credit
     for _ in range(6):
         learning.admitted(Running("latency", 600.0, prompt_tokens=500))
-    assert learning.batch_reserve(CONFIG, 600.0) == 0.0
+    assert learning.batch_reserve(RULES, 600.0) == 0.0
 
 
 def test_the_batch_reserve_counts_the_kv_of_the_interactive_requests_running_now_in_full() -> None:
@@ -214,9 +217,9 @@ def test_the_batch_reserve_counts_the_kv_of_the_interactive_requests_running_now
     for _ in range(2):
         learning.admitted(Running("latency", 600.0, prompt_tokens=500))
     batch = Ask("throughput", 500, 200)
-    roomy = admit(batch, pool, config, learning, Snapshot(3, 3_000, 3 * 3_000), 2, 600.0)
+    roomy = admit(batch, pool, Rules.of(config), learning, Snapshot(3, 3_000, 3 * 3_000), 2, 600.0)
     assert roomy.outcome is Outcome.ADMIT
-    full = admit(batch, pool, config, learning, Snapshot(3, 3_000, 3 * 4_500), 2, 600.0)
+    full = admit(batch, pool, Rules.of(config), learning, Snapshot(3, 3_000, 3 * 4_500), 2, 600.0)
     assert (full.outcome, full.reason) == (Outcome.REJECT, Reason.NO_CAPACITY)
 
 
@@ -237,11 +240,11 @@ def test_batch_work_is_refused_when_it_would_crowd_out_interactive_requests() ->
         learning.arrived("latency", False, float(t))
         learning.arrived("throughput", True, float(t))
     batch = Ask("throughput", 500, 200)
-    quiet = admit(batch, POOL, tight, learning, Snapshot(1, 400.0, 700), 2, 20.0)
+    quiet = admit(batch, POOL, Rules.of(tight), learning, Snapshot(1, 400.0, 700), 2, 20.0)
     assert quiet.outcome is Outcome.ADMIT
-    busy = admit(batch, POOL, tight, learning, Snapshot(5, 5 * 400.0, 5 * 700), 2, 20.0)
+    busy = admit(batch, POOL, Rules.of(tight), learning, Snapshot(5, 5 * 400.0, 5 * 700), 2, 20.0)
     assert (busy.outcome, busy.reason) == (Outcome.REJECT, Reason.NO_CAPACITY)
     assert busy.decision.position < 0  # a slot was free: the interactive objectives refused it
-    interactive = admit(Ask("latency", 500, 100), POOL, tight, learning,
+    interactive = admit(Ask("latency", 500, 100), POOL, Rules.of(tight), learning,
                         Snapshot(5, 5 * 400.0, 5 * 700), 2, 20.0)
     assert interactive.outcome is Outcome.ADMIT

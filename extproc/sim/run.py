@@ -45,6 +45,7 @@ from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
 from extproc.lengths import Prior, decay_factor
 from extproc.retry import retry_delay_ms
+from extproc.rules import Rules
 from extproc.running import Running
 from extproc.sim.autoscaler import Fixed, Observation, Recommender
 from extproc.sim.clients import Attempt, ClientModel
@@ -274,6 +275,7 @@ class Simulation:
         if policy.uses_step and policy.defers is not None:  # the policy says, not the config
             self.config = dataclasses.replace(self.config, defer=dataclasses.replace(
                 self.config.defer, enabled=policy.defers))
+        self.rules = Rules.of(self.config)  # what the step reads of it
         self.now = 0.0
         self.ledger = LedgerCore(clock=lambda: self.now)
         self.heap: list[tuple[float, int, int, Any, int]] = []
@@ -467,13 +469,13 @@ class Simulation:
         ask = Ask(job.service_class, job.prompt_tokens, job.max_tokens, 1, job.deadline_ms,
                   known_output_tokens=output if self.policy.clairvoyant else None,
                   tenant=tenant,
-                  priority=priority_of(config, job.service_class, tenant, job.priority),
+                  priority=priority_of(self.rules, job.service_class, tenant, job.priority),
                   streaming=self.scenario.engine_aborts)
         learning.arrived(job.service_class, batch, now, job.prompt_tokens, ask.groups)
         for g in ask.groups:
             res.tally(g).attempts += 1
         self._keys += 1
-        policy = class_policy(config, job.service_class, job.deadline_ms)
+        policy = class_policy(self.rules, job.service_class, job.deadline_ms)
         a = Attempt(job, number, now, str(self._keys), output, charged,
                     policy.deadline_ms / 1000.0,
                     None if policy.ttft_ms is None else policy.ttft_ms / 1000.0)
@@ -500,7 +502,7 @@ class Simulation:
         now = self.now
         res = self.result
         job = a.job
-        pool, config, learning = self.pool, self.config, self.learning
+        pool, learning = self.pool, self.learning
         ask = a.ask if held is None else dataclasses.replace(
             a.ask, waited_ms=(now - a.arrival) * 1000.0)
         snapshot = self.ledger.snapshot(pool.name)
@@ -512,7 +514,7 @@ class Simulation:
             idle = (i >= 0 and i < len(view.running) and not view.running[i]
                     and not view.waiting[i]
                     and self._view_at > self._sent_at.get(id(routed), -INF))
-            adm = admit(ask, pool, config, learning, snapshot, len(self.ready), now,
+            adm = admit(ask, pool, self.rules, learning, snapshot, len(self.ready), now,
                         Correction(idle=idle))
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
                 adm = _refused(adm, Reason.PRIORITY)  # a higher band is held (extproc.defer)
@@ -534,7 +536,7 @@ class Simulation:
             if self.on_decision is not None:
                 self.on_decision(job, snapshot, adm)
         else:
-            policy = class_policy(config, job.service_class, job.deadline_ms)
+            policy = class_policy(self.rules, job.service_class, job.deadline_ms)
             capacity = capacity_for(pool, len(self.ready), learning)
             decision = self.policy.decide(cost_of(ask, pool, learning), a.output_tokens,
                                           snapshot, capacity, policy, now,
