@@ -13,12 +13,15 @@ of priorities, fair shares and tenant caps (the rules themselves, pure, are
   goodput alone beside a neighbour's burst on 70b-16 at 1.5x, 1.0x now).
 - ``admission_limit``: the most requests the pool holds while one like this is still admitted,
   the level shares are counted against and the reserve's departures are measured at.
+
+``Scene`` is what one decision sees of its pool, handed down whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot, decide
 from extproc.learning import PoolLearning
@@ -61,10 +64,22 @@ def at_cap(caps: tuple[Cap, ...], decision: Decision, snapshot: Snapshot) -> Dec
     return None
 
 
+@dataclass(frozen=True)
+class Scene:
+    """What one decision sees of its pool: the rules, the pool's learning, the ledger's
+    snapshot (corrected by the engines), the pool's capacity, this gateway's share of the
+    pool's requests in flight (``extproc.step.admit``) and the time."""
+
+    rules: Rules
+    learning: PoolLearning
+    snapshot: Snapshot
+    capacity: Capacity
+    share: float
+    now: float
+
+
 def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Decision,
-                    policy: Policy, rules: Rules, learning: PoolLearning, snapshot: Snapshot,
-                    capacity: Capacity, share: float, now: float
-                    ) -> tuple[Decision | None, int]:
+                    policy: Policy, scene: Scene) -> tuple[Decision | None, int]:
     """Priorities and fair shares (``extproc.share``): an admitted request must also fit after
     the room kept for the traffic it must not crowd out, expected while it runs: every
     higher priority's, and, when its tenant is over its share of a contended pool, the
@@ -72,6 +87,8 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     with its ledger checks tightened by that room, or None when nothing is kept; and the
     admission limit it was measured against (0: none), which the pool records once per
     request (``PoolLearning.decided``: deciding only reads)."""
+    rules, learning, snapshot, capacity, now = (
+        scene.rules, scene.learning, scene.snapshot, scene.capacity, scene.now)
     # With defer on, a higher priority that finds the pool full is held and goes first at the
     # next release (``extproc.defer``): no room is kept for its predicted arrivals.
     protected = [] if rules.holds else [
@@ -90,13 +107,12 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     if tenant is not None and several:
         # Shares of what the model admits: the measured level, which may be higher, is
         # probed by whoever asks, and a burst asks most (it would be nobody's over-share).
-        under = _under_their_share(tenant, decision, rules, learning, snapshot,
-                                   model * mean_ms, mean_ms, share, now)
+        under = _under_their_share(tenant, decision, scene, model * mean_ms, mean_ms)
         over = under is not None
         protected += under or []
     if not protected:
         return None, limit
-    kept = _kept(protected, decision, learning, snapshot, limit, swing, share, now)
+    kept = _kept(protected, decision, learning, snapshot, limit, swing, scene.share, now)
     if kept <= 0:
         return None, limit
     mean_kv = snapshot.kv_tokens / n if n else cost.kv
@@ -118,16 +134,16 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
         max_inflight=min(decision.max_inflight, seen.max_inflight - kept)), limit
 
 
-def _under_their_share(tenant: str, decision: Decision, rules: Rules,
-                       learning: PoolLearning, snapshot: Snapshot, room: float, mean_ms: float,
-                       share: float, now: float) -> list[str] | None:
+def _under_their_share(tenant: str, decision: Decision, scene: Scene, room: float,
+                       mean_ms: float) -> list[str] | None:
     """None when ``tenant`` is within its weighted max-min share of ``room``, the work the
     pool holds at its admission limit (requests of ``mean_ms`` each); otherwise the groups of
     the other tenants holding less than theirs, whose expected arrivals it must leave room
     for. A tenant's demand is its
     outstanding work, or what its arrivals keep in flight (Little's law), whichever is more:
     a tenant crowded out still wants its share."""
-    weights = rules.tenant.policy
+    learning, snapshot, share, now = scene.learning, scene.snapshot, scene.share, scene.now
+    weights = scene.rules.tenant.policy
     demands = {t: (work, weights(t).weight) for g, (_, work) in snapshot.groups.items()
                if (t := tenant_of(g)) is not None}
     for g, flow in learning.flows.items():

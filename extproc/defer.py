@@ -94,6 +94,8 @@ class Queue:
 
     max_waiting: int = 256
     max_waiting_per_tenant: int = 64
+    # hears of each held request a higher band took the place of, with its 429 (``enter``)
+    displaced: Callable[[Waiter, Refused], None] | None = None
     _bands: dict[int, dict[str | None, list[tuple[float, int, Waiter]]]] = field(
         default_factory=dict)
     _finish: dict[str | None, float] = field(default_factory=dict)  # F per tenant
@@ -258,13 +260,12 @@ class Refused:
 
 
 def enter(queue: Queue, adm: Admission, tenant: str | None, weight: float, *, arrived: float,
-          now: float, replicas: int, payload: Any,
-          displaced: Callable[[Waiter, Refused], None]) -> Waiter | Refused:
+          now: float, replicas: int, payload: Any) -> Waiter | Refused:
     """Hold a request the step refused (``adm``, its reason ``DEFERRABLE``) if it would still
     finish in time after the predicted wait and the queue has room, or a lower band's place
     (module docstring): the waiter pushed, or why not. A held request whose place it took
-    is out of the queue and handed to ``displaced`` with its 429. The gate and the simulator
-    both call it."""
+    is out of the queue and handed to the queue's ``displaced`` with its 429. The gate and the
+    simulator both call it."""
     assert adm.decision is not None
     full = Refused(Reason.QUEUE_FULL,
                    predicted_wait_ms(adm.retry_after_ms, queue.held_ms, replicas))
@@ -280,7 +281,8 @@ def enter(queue: Queue, adm: Admission, tenant: str | None, weight: float, *, ar
         return Refused(None, max(wait_ms, adm.retry_after_ms or 0.0))
     if victim is not None:
         queue.remove(victim)
-        displaced(victim, full)
+        if queue.displaced is not None:
+            queue.displaced(victim, full)
     waiter = Waiter(str(next(queue._seq)), adm.priority, tenant, weight,
                     adm.decision.service_ms, arrived, due, until, payload)
     queue.push(waiter)

@@ -67,7 +67,7 @@ class Holding:
         self._replicas = replicas
         self._clock = clock
         self.queues = {p.name: Queue(config.defer.max_waiting,
-                                     config.defer.max_waiting_per_tenant)
+                                     config.defer.max_waiting_per_tenant, self._displaced)
                        for p in config.pools}
         # made with each pool's dispatcher, on the loop that runs it
         self._passes: dict[str, asyncio.Lock] = {}
@@ -96,7 +96,7 @@ class Holding:
         weight = self.config.tenant.policy(ask.tenant).weight if ask.tenant else 1.0
         held = _Held(asyncio.get_running_loop().create_future(), ask, arrived, verdict)
         waiter = enter(queue, adm, ask.tenant, weight, arrived=arrived, now=now,
-                       replicas=replicas, payload=held, displaced=self._displaced)
+                       replicas=replicas, payload=held)
         if isinstance(waiter, Refused):
             return refused_held(verdict, waiter.reason or verdict.reason, waiter.retry_ms)
         until = waiter.until

@@ -287,9 +287,9 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
             decision = dataclasses.replace(decision, outcome=Outcome.REJECT,
                                            retry_after_ms=max(slot_ms, 1.0))
             outcome = Outcome.REJECT
+    scene = contention.Scene(rules, learning, snapshot, capacity, share, now)
     if (outcome is Outcome.ADMIT and policy.batch) or outcome is Outcome.PASS:
-        crowded = _crowds_out(ask, cost, decision, pool, rules, learning, snapshot, capacity,
-                              now)
+        crowded = _crowds_out(ask, cost, decision, pool, scene)
         if crowded is not None:
             decision, outcome = crowded, crowded.outcome
             reason = reason if reason is Reason.INFEASIBLE else crowded.reason
@@ -301,8 +301,7 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
                 and decision.reason is not Reason.IDLE):
             # (while a replica has nothing to do, no room is kept: ``extproc.level``)
             changed, limit = contention.room_for_others(
-                ask.tenant, ask.priority, cost, decision, policy, rules, learning, snapshot,
-                capacity, share, now)
+                ask.tenant, ask.priority, cost, decision, policy, scene)
         if changed is not None:
             decision, outcome, reason = changed, changed.outcome, changed.reason
     runs = outcome in (Outcome.ADMIT, Outcome.PASS)
@@ -368,15 +367,16 @@ def running_of(adm: Admission, now: float) -> Running:
                    streaming=adm.streaming)
 
 
-def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool, rules: Rules,
-                learning: PoolLearning, snapshot: Snapshot, capacity: Capacity,
-                now: float) -> Decision | None:
+def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool,
+                scene: contention.Scene) -> Decision | None:
     """A batch request (or an infeasible one passed) is admitted only if the interactive
     classes' own requests would still be: for each interactive class the pool serves, a
     request of its typical size arriving after this one (its prompt prefilled first) and after
     the reserve (its measured demand in flight) must pass its own decision. Otherwise it is
     refused (``NO_CAPACITY``): the room is the interactive classes'. Returns the refusal, or
     None."""
+    rules, learning, snapshot, capacity, now = (
+        scene.rules, scene.learning, scene.snapshot, scene.capacity, scene.now)
     n = snapshot.inflight
     # A slot is held once: the interactive requests running now hold theirs in ``n``, and the
     # batch reserve is what they need beyond it (``PoolLearning.batch_reserve``). Their work

@@ -316,7 +316,7 @@ class Simulation:
         # What the gateway holds (``extproc.defer``), with the product's step and ``defer``.
         defer = self.config.defer
         self._defers = policy.uses_step and policy.enforce and defer.enabled
-        self.queue = Queue(defer.max_waiting, defer.max_waiting_per_tenant)
+        self.queue = Queue(defer.max_waiting, defer.max_waiting_per_tenant, self._displaced)
         self._pass_due = False  # a pass is pushed for now
         self._held_idle_at = -1  # the last second counted in ``held_idle_s``
         for _ in range(scenario.replicas):
@@ -598,7 +598,7 @@ class Simulation:
         tenant = a.ask.tenant
         weight = self.config.tenant.policy(tenant).weight if tenant is not None else 1.0
         waiter = enter(self.queue, adm, tenant, weight, arrived=a.arrival, now=self.now,
-                       replicas=len(self.ready), payload=a, displaced=self._displaced)
+                       replicas=len(self.ready), payload=a)
         if isinstance(waiter, Refused):
             return waiter
         a.outcome = "held"
