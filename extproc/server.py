@@ -36,7 +36,7 @@ gRPC's buffers and the event loop, not in anything we count) and past Envoy's
 gave up on. The wait shows per request, though: from our answer to its headers to its body
 reaching us is one trip through that queue (a fraction of a millisecond when idle). One
 request's wait also holds its client's upload time (a large body on a slow link), so the
-signal is the median of the last ``Backlog.SIZE`` requests' waits (one trip: from the
+signal is the median of the last ``Delay.SIZE`` requests' waits (one trip: from the
 request's start, Envoy's ``request.time``, to its body reaching us): while it is over
 ``shed_wait_ms``, bodies get 429 ``processor_overloaded`` (the Retry-After minimum) at once,
 unparsed. A refusal costs a small fraction of a decision, so the queue drains, the waits fall,
@@ -135,7 +135,7 @@ def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
             for h in headers.headers.headers}
 
 
-class Backlog:
+class Delay:
     """The median of the last ``size`` waits: the processor's own queueing delay."""
 
     SIZE = 15
@@ -159,7 +159,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.rng = rng or random.Random()
         self.open_streams = 0
         self.streams_started = 0  # ever: a drain sample sees streams that came and went
-        self.backlog = Backlog(self.config.shed_wait_ms / 1000.0)
+        self.delay = Delay(self.config.shed_wait_ms / 1000.0)
         self.tenants = Tenants(gate.config.tenant)
         self.header_names = forwarded_headers(self.config)  # what one trip's attributes hold
         self._warned_no_headers = False
@@ -194,7 +194,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     else:
                         waited = time.monotonic() - answered
                     destination = destination_of(message) or destination
-                    self.backlog.add(waited)
+                    self.delay.add(waited)
                     self.gate.metrics.processor_wait.observe(waited)
                     trace = _trace_context(context) if self.gate.tracing.enabled else {}
                     deciding = True
@@ -317,7 +317,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return responses.continue_body(), None
         if one_trip and (condemned := self._condemned(route, headers, tenant)) is not None:
             return self._answer(condemned)  # Envoy's route checked them: only if it changed
-        if self.backlog.behind:  # we are the queue: shed, unparsed (module docstring)
+        if self.delay.behind:  # we are the queue: shed, unparsed (module docstring)
             return self._answer(self.gate.shed(route.service_class, tenant))
         if not message.end_of_stream or len(message.body) > self.config.max_body_bytes:
             return self._answer(self._too_large(route.service_class, tenant))

@@ -10,24 +10,24 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import config
-from extproc.server import Backlog, Service
+from extproc.server import Delay, Service
 from tests.extproc_client import Stream, body, chat, headers
 
 STUCK_S = 0.3
 
 
 def test_the_signal_is_the_median_wait_so_one_slow_upload_does_not_shed() -> None:
-    backlog = Backlog(shed_wait_s=0.2, size=5)
-    backlog.add(30.0)  # one client uploading a large body slowly
-    backlog.add(0.0003)
-    assert not backlog.behind
+    delay = Delay(shed_wait_s=0.2, size=5)
+    delay.add(30.0)  # one client uploading a large body slowly
+    delay.add(0.0003)
+    assert not delay.behind
     for _ in range(2):
-        backlog.add(0.5)
-    assert backlog.behind  # three of five waited: the queue is ours
+        delay.add(0.5)
+    assert delay.behind  # three of five waited: the queue is ours
     for _ in range(3):
-        backlog.add(0.0002)
-    assert not backlog.behind
-    off = Backlog(shed_wait_s=0.0, size=1)
+        delay.add(0.0002)
+    assert not delay.behind
+    off = Delay(shed_wait_s=0.0, size=1)
     off.add(10.0)
     assert not off.behind
 
@@ -37,7 +37,7 @@ async def service() -> AsyncIterator[Service]:
     cfg = config.from_mapping({"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
                                "shed_wait_ms": 200, "pools": [{"name": "llama"}]})
     svc = Service(cfg)
-    svc.processor.backlog = Backlog(0.2, size=3)
+    svc.processor.delay = Delay(0.2, size=3)
     await svc.start()
     yield svc
     await svc.stop()
