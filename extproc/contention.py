@@ -32,7 +32,7 @@ from extproc.share import (
     RESERVE_Z,
     level_of,
     over_share,
-    reserve,
+    places,
     tenant_group,
     tenant_of,
     water_level,
@@ -162,7 +162,7 @@ def _under_their_share(tenant: str, decision: Decision, scene: Scene, room: floa
 
 def _kept(protected: list[str], decision: Decision, learning: PoolLearning,
           snapshot: Snapshot, limit: int, swing: float, share: float, now: float) -> int:
-    """Places to keep for the ``protected`` groups (``share.reserve``): their arrivals there
+    """Places to keep for the ``protected`` groups (``share.places``): their arrivals there
     is evidence for, the pool's departures at its admission limit, over this request's time
     in flight; plus two measured standard deviations of the limit itself, which moves with
     the traffic's mix from one arrival to the next and with each request's own size, weighed
@@ -187,7 +187,7 @@ def _kept(protected: list[str], decision: Decision, learning: PoolLearning,
     else:
         departures = max(limit, 1) / horizon_s if horizon_s > 0 else math.inf
     arrives = -math.expm1(-rate * horizon_s)  # the chance one comes while this one runs
-    return math.ceil(reserve(rate, departures, horizon_s) + RESERVE_Z * swing * arrives - 1e-9)
+    return math.ceil(places(rate, departures, horizon_s) + RESERVE_Z * swing * arrives - 1e-9)
 
 
 def admission_limit(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,

@@ -305,7 +305,7 @@ class Demand:
         """Mean seconds in flight (0 until one has ended)."""
         return self._duration_s / self._durations if self._durations else 0.0
 
-    def reserve(self, now: float) -> float:
+    def needed(self, now: float) -> float:
         """Slots the interactive classes need: ``λ T + 2 sqrt(λ T)``. A read."""
         if not self._durations:
             return 0.0
@@ -374,10 +374,10 @@ class PoolLearning:
 
     def batch_reserve(self, rules: Rules, now: float) -> float:
         """Slots a batch request must leave free beyond those it takes: what the interactive
-        classes need (``Demand.reserve``) less what their requests hold now, which the pool's
+        classes need (``Demand.needed``) less what their requests hold now, which the pool's
         in-flight count already has. A read."""
         held = sum(n for c, n in self.inflight.items() if c in rules.classes and not rules.batch(c))
-        return max(0.0, self.demand.reserve(now) - held)
+        return max(0.0, self.demand.needed(now) - held)
 
     def _several(self) -> bool:
         """The pool serves more than one class (each ``CLASS_SHARE`` of recent requests)."""

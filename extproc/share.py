@@ -97,7 +97,7 @@ def tenant_of(group: str) -> str | None:
     return unquote(group[2:]) if group.startswith("t:") else None
 
 
-def reserve(rate: float, departures: float, horizon_s: float) -> float:
+def places(rate: float, departures: float, horizon_s: float) -> float:
     """Places to keep for protected arrivals at ``rate`` a second, the pool's requests
     leaving at ``departures`` a second, for a request in flight ``horizon_s`` (docstring)."""
     if rate <= 0 or horizon_s <= 0:

@@ -385,7 +385,7 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool,
     # latency class needed: docs/admission.md).
     reserve = math.ceil(capacity.reserved)
     batch = rules.classes[ask.service_class].batch  # (else: an infeasible request passed)
-    grows = math.ceil(learning.demand.reserve(now)) if batch else 0
+    grows = math.ceil(learning.demand.needed(now)) if batch else 0
     mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
     mean_kv = (snapshot.kv_tokens / n) if n else cost.kv
     after = Snapshot(n + cost.sequences + reserve,

@@ -138,8 +138,8 @@ def test_demand_is_littles_law_plus_two_deviations() -> None:
         t += rng.expovariate(10.0)  # 10 a second, 2 s each: 20 in flight
         demand.arrived(t)
         demand.served(2.0, t)
-    assert demand.reserve(t) == pytest.approx(20 + 2 * math.sqrt(20), rel=0.1)
-    assert demand.reserve(t + 600) < 1.0  # forgotten once it stops
+    assert demand.needed(t) == pytest.approx(20 + 2 * math.sqrt(20), rel=0.1)
+    assert demand.needed(t + 600) < 1.0  # forgotten once it stops
 
 
 def test_a_pool_learns_its_mix_and_feeds_its_promises_per_class() -> None:

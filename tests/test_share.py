@@ -20,8 +20,8 @@ from extproc.share import (
     STANDARD,
     over_share,
     parse_priority,
+    places,
     priority_label,
-    reserve,
     tenant_group,
     tenant_of,
     water_level,
@@ -59,14 +59,14 @@ def test_water_level_is_max_min_by_weight() -> None:
 
 
 def test_the_reserve_follows_the_protected_traffic_and_the_pool_s_turnover() -> None:
-    assert reserve(0.0, 10.0, 20.0) == 0.0  # nothing to protect
-    small, large = reserve(1.0, 10.0, 20.0), reserve(8.0, 10.0, 20.0)
+    assert places(0.0, 10.0, 20.0) == 0.0  # nothing to protect
+    small, large = places(1.0, 10.0, 20.0), places(8.0, 10.0, 20.0)
     assert 1.0 <= small < large  # a trickle needs a place or two, a stream far more
     assert small == pytest.approx(math.log(0.01) / math.log(0.1))
     # never more than the arrivals expected while the request runs (two deviations)
-    busy = reserve(20.0, 10.0, 5.0)
+    busy = places(20.0, 10.0, 5.0)
     assert busy == pytest.approx(100.0 + 2.0 * 10.0)
-    assert reserve(8.0, 10.0, 0.1) <= 0.8 + 2.0 * math.sqrt(0.8)
+    assert places(8.0, 10.0, 0.1) <= 0.8 + 2.0 * math.sqrt(0.8)
 
 
 def settings(**tenant: object) -> config_mod.Config:

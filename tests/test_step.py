@@ -161,7 +161,7 @@ def test_batch_requests_leave_the_interactive_reserve_alone() -> None:
         learning.arrived("latency", False, float(t))
         learning.settled(Running("latency", t - 4.0, deadline_s=10.0), completed=True,
                          now=float(t))
-    reserve = learning.demand.reserve(600.0)
+    reserve = learning.demand.needed(600.0)
     assert reserve == pytest.approx(2 + 2 * 2 ** 0.5, rel=0.15)  # of 8 slots
     batch = Ask("throughput", 500, 200)
     assert admit(batch, POOL, RULES, learning, IDLE, 2, 600.0).outcome is Outcome.ADMIT
@@ -187,7 +187,7 @@ def test_interactive_requests_in_flight_fill_the_batch_reserve_not_beside_it() -
     for _ in range(2):
         learning.admitted(Running("latency", 600.0, prompt_tokens=500))
     assert learning.batch_reserve(RULES, 600.0) == pytest.approx(
-        learning.demand.reserve(600.0) - 2)
+        learning.demand.needed(600.0) - 2)
     assert admit(batch, POOL, RULES, learning, three, 2, 600.0).outcome is Outcome.ADMIT
     # ... and never below nothing: interactive requests beyond their demand leave no credit
     for _ in range(6):
