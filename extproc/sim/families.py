@@ -186,6 +186,7 @@ class _Draws:
     """The parameter stream of one family and seed; every draw is recorded under its name."""
 
     def __init__(self, family: str, seed: int) -> None:
+        self.seed = seed
         self.rng = random.Random(f"{family}/{seed}")
         self.params: Params = {}
 
@@ -242,10 +243,12 @@ def _probe(family: str, seed: int, prompt: LogNormal, output: LogNormal,
                  max_tokens)
 
 
-def _scenario(family: str, seed: int, load: float, fleet: Fleet, jobs: list[Job],
+def _scenario(family: str, d: _Draws, load: float, fleet: Fleet, jobs: list[Job],
               classes: dict[str, Any], clients: ClientModel, streaming: bool,
-              params: Params, **replay: Any) -> Drawn:
-    """The scenario for ``jobs`` as they are (their arrivals already at the drawn rate)."""
+              **replay: Any) -> Drawn:
+    """The scenario for ``jobs`` as they are (their arrivals already at the drawn rate), with
+    the parameters ``d`` drew for them."""
+    seed, params = d.seed, d.params
     jobs.sort(key=lambda j: j.arrival_s)
     name = f"{family}-{load:g}x-s{seed}-{fleet.name}"
     sc = scenarios.replay(name, jobs, replicas=fleet.replicas, rate_x=1.0, engine=fleet.engine,
@@ -274,7 +277,7 @@ def long_context(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Dra
     _, span = _span(d, rate, 8, 12, size)
     rng = random.Random(f"long-context/{seed}/jobs")
     jobs = _jobs(poisson_arrivals(load * rate, span, rng), rng, prompt, output, max_tokens)
-    return _scenario("long-context", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("long-context", d, load, fleet, jobs, classes, clients, True)
 
 
 def flash_crowd(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
@@ -291,7 +294,7 @@ def flash_crowd(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Draw
     rng = random.Random(f"flash-crowd/{seed}/jobs")
     points = [RatePoint(p.at_s, p.rate * load * cap) for p in curve]
     jobs = _jobs(piecewise_arrivals(points, rng), rng, prompt, output, 1024)
-    return _scenario("flash-crowd", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("flash-crowd", d, load, fleet, jobs, classes, clients, True)
 
 
 def diurnal(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
@@ -307,7 +310,7 @@ def diurnal(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
     points = [RatePoint(0.0, low * load * cap), RatePoint(at * span, peak * load * cap),
               RatePoint(span, low * load * cap)]
     jobs = _jobs(piecewise_arrivals(points, rng), rng, prompt, output, 1024)
-    return _scenario("diurnal", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("diurnal", d, load, fleet, jobs, classes, clients, True)
 
 
 def bimodal(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
@@ -330,7 +333,7 @@ def bimodal(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
     _, span = _span(d, cap, 8, 12, size)
     rng = random.Random(f"bimodal/{seed}/jobs")
     jobs = draw(poisson_arrivals(load * cap, span, rng), rng)
-    return _scenario("bimodal", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("bimodal", d, load, fleet, jobs, classes, clients, True)
 
 
 def class_mix(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
@@ -357,7 +360,7 @@ def class_mix(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
     _, span = _span(d, cap, 8, 12, size)
     rng = random.Random(f"class-mix/{seed}/jobs")
     jobs = draw(poisson_arrivals(load * cap, span, rng), rng)
-    return _scenario("class-mix", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("class-mix", d, load, fleet, jobs, classes, clients, True)
 
 
 def summarisation(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
@@ -372,8 +375,7 @@ def summarisation(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Dr
     _, span = _span(d, cap, 8, 12, size)
     rng = random.Random(f"summarisation/{seed}/jobs")
     jobs = _jobs(poisson_arrivals(load * cap, span, rng), rng, prompt, output, 1024)
-    return _scenario("summarisation", seed, load, fleet, jobs, classes, clients, False,
-                     d.params)
+    return _scenario("summarisation", d, load, fleet, jobs, classes, clients, False)
 
 
 def multi_turn(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
@@ -412,7 +414,7 @@ def multi_turn(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn
     starts = poisson_arrivals(load * cap / per_conv, span + lead, rng, start_s=-lead)
     jobs = [j for i, t in enumerate(starts) for j in conversation(f"s{seed}c{i}", t, rng)
             if 0.0 <= j.arrival_s < span]
-    return _scenario("multi-turn", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("multi-turn", d, load, fleet, jobs, classes, clients, True)
 
 
 def _warm_capacity(fleet: Fleet, jobs: Sequence[Job]) -> float:
@@ -538,8 +540,7 @@ def noisy_neighbour(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> 
     d.params["burst_from_s"], d.params["burst_to_s"] = round(begin, 1), round(end, 1)
     jobs = ([dataclasses.replace(j, tenant="a") for j in steady]
             + [dataclasses.replace(j, tenant="b") for j in burst])
-    drawn = _scenario("noisy-neighbour", seed, load, fleet, jobs, classes, clients, True,
-                      d.params)
+    drawn = _scenario("noisy-neighbour", d, load, fleet, jobs, classes, clients, True)
     return Drawn(_tenanted(drawn.scenario), drawn.params)
 
 
@@ -561,7 +562,7 @@ def priority(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
         level = (CRITICAL if u < critical else STANDARD if u < critical + standard
                  * (1 - critical) else SHEDDABLE)
         levels.append(dataclasses.replace(j, priority=level))
-    return _scenario("priority", seed, load, fleet, levels, classes, clients, True, d.params)
+    return _scenario("priority", d, load, fleet, levels, classes, clients, True)
 
 
 LONG_BUDGET = 24_000  # requests a long family's run holds at load 1 (size 1), at most ...
@@ -591,8 +592,7 @@ def sheddable_flood(seed: int, load: float, fleet: str | Fleet, flood: bool = Tr
         arrivals = [start + t for t in poisson_arrivals(share * cap, end - start, rng)]
         jobs += [dataclasses.replace(j, priority=level)
                  for j in _jobs(arrivals, rng, prompt, output, 1024)]
-    return _scenario("sheddable-flood", seed, load, shape, jobs, classes, clients, True,
-                     d.params)
+    return _scenario("sheddable-flood", d, load, shape, jobs, classes, clients, True)
 
 
 def _long_span(d: _Draws, rate: float, size: float) -> float:
@@ -629,7 +629,7 @@ def output_tail(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Draw
     span = _long_span(d, cap, size)
     rng = random.Random(f"output-tail/{seed}/jobs")
     jobs = draw(poisson_arrivals(load * cap, span, rng), rng)
-    return _scenario("output-tail", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("output-tail", d, load, fleet, jobs, classes, clients, True)
 
 
 def reasoning(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
@@ -645,7 +645,7 @@ def reasoning(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
     span = _long_span(d, cap, size)
     rng = random.Random(f"reasoning/{seed}/jobs")
     jobs = _jobs(poisson_arrivals(load * cap, span, rng), rng, prompt, output, 16_384)
-    return _scenario("reasoning", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("reasoning", d, load, fleet, jobs, classes, clients, True)
 
 
 def agentic(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
@@ -686,7 +686,7 @@ def agentic(seed: int, load: float, fleet: Fleet, size: float = 1.0) -> Drawn:
     starts = poisson_arrivals(load * cap / per_session, span + lead, rng, start_s=-lead)
     jobs = [j for i, t in enumerate(starts) for j in session(f"s{seed}a{i}", t, rng)
             if 0.0 <= j.arrival_s < span]
-    return _scenario("agentic", seed, load, fleet, jobs, classes, clients, True, d.params)
+    return _scenario("agentic", d, load, fleet, jobs, classes, clients, True)
 
 
 FAMILIES: dict[str, Family] = {
