@@ -4,12 +4,14 @@
   (``extproc.responses``), metrics count and the autoscaling loop reads;
 - ``Ticket``: a request that will reach the backend holds one for its ledger entry, settled
   exactly once when its stream ends (``Gate.settle``), the shape of a reserve-then-release;
-- ``invalid``, ``contended``: the verdicts made without a decision of the step's;
+- ``invalid``, ``contended``, ``refused_held``: the verdicts the gate makes past the step (a
+  4xx before any decision; an admission the ledger or a held higher band refused after it);
 - ``Listener``: what hears of every verdict and every settled ticket (``extproc.control``);
   the gate takes its listeners at construction, none by default.
 
-A leaf: it imports only the domain's types, so the gate, metrics, the autoscaling loop and the
-server can all name these without importing each other.
+A leaf: it imports only the domain's outcomes at run time (the step, the record and the rest
+only for annotations), so the gate, the leases, metrics, the autoscaling loop and the server can
+all name these without importing each other or the policy core.
 """
 
 from __future__ import annotations
