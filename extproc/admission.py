@@ -332,7 +332,7 @@ class Policy:
 class Decision:
     outcome: Outcome
     reason: Reason
-    service_ms: float  # this request's GPU time in a full batch: its ledger charge
+    charge_ms: float  # this request's GPU time in a full batch: its ledger charge
     wait_ms: float
     ttft_ms: float
     completion_ms: float

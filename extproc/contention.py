@@ -56,7 +56,7 @@ def at_cap(caps: tuple[Cap, ...], decision: Decision, snapshot: Snapshot) -> Dec
     for cap in caps:
         n, work = snapshot.groups.get(cap.group, (0, 0.0))
         if ((cap.max_inflight is not None and n + 1 > cap.max_inflight)
-                or (cap.max_ms is not None and work + decision.service_ms > cap.max_ms)):
+                or (cap.max_ms is not None and work + decision.charge_ms > cap.max_ms)):
             return dataclasses.replace(
                 decision, outcome=Outcome.REJECT, reason=Reason.TENANT_CAP, ceiling_ms=None,
                 max_inflight=None,
@@ -98,7 +98,7 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     if not protected and not several:
         return None, 0
     n = snapshot.inflight
-    mean_ms = snapshot.outstanding_ms / n if n else decision.service_ms
+    mean_ms = snapshot.outstanding_ms / n if n else decision.charge_ms
     seen_n = math.floor(learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9))
     model = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
     limit = max(model, seen_n)  # the model's, or what was measured (``extproc.level``)
@@ -151,7 +151,7 @@ def _under_their_share(tenant: str, decision: Decision, scene: Scene, room: floa
             steady = flow.rate(now) / share * flow.duration_s * mean_ms
             demands[t] = (max(demands.get(t, (0.0, 0.0))[0], steady), weights(t).weight)
     _, mine = snapshot.groups.get(tenant_group(tenant), (0, 0.0))
-    demands[tenant] = (mine + decision.service_ms, weights(tenant).weight)
+    demands[tenant] = (mine + decision.charge_ms, weights(tenant).weight)
     if not over_share(tenant, demands, room):
         return None
     fair = water_level(demands, room)

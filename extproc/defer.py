@@ -284,6 +284,6 @@ def enter(queue: Queue, adm: Admission, tenant: str | None, weight: float, *, ar
         if queue.displaced is not None:
             queue.displaced(victim, full)
     waiter = Waiter(str(next(queue._seq)), adm.priority, tenant, weight,
-                    adm.decision.service_ms, arrived, due, until, payload)
+                    adm.decision.charge_ms, arrived, due, until, payload)
     queue.push(waiter)
     return waiter

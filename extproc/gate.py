@@ -483,7 +483,7 @@ class Gate:
         mode, infeasible-but-passed): it occupies the GPUs. Its lease: the gateway's liveness
         (``extproc.leases``), renewed by the heartbeat while it runs."""
         assert verdict.decision is not None and verdict.admission is not None
-        return Entry(request_id, pool, verdict.decision.service_ms,
+        return Entry(request_id, pool, verdict.decision.charge_ms,
                      self.config.ledger.liveness_ms, verdict.admission.kv_tokens,
                      verdict.admission.groups, verdict.admission.priority, self.gateway)
 
@@ -493,7 +493,7 @@ class Gate:
         assert adm is not None
         running = running_of(adm, self._clock())
         ticket = Ticket(entry.request_id, entry.pool, entry.lease_ms, running,
-                        cost_ms=entry.cost_ms, kv_tokens=entry.kv_tokens, groups=entry.groups,
+                        charge_ms=entry.charge_ms, kv_tokens=entry.kv_tokens, groups=entry.groups,
                         recorded=recorded)
         self.leases.hold(ticket, reserved_at)
         self.learning[entry.pool].admitted(running, key=ticket.request_id)

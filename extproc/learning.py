@@ -500,7 +500,7 @@ class PoolLearning:
             return
         i = bisect.bisect_right(self._loads, (running.started, math.inf))  # decided after it
         at_ms = max(running.at_ms, self._loads[i][1]) if i < len(self._loads) else running.at_ms
-        self.level.completed(at_ms, running.level_ms, running.charge_ms,
+        self.level.completed(at_ms, running.level_ms, running.own_ms,
                              measured=running.measured)
 
     def _own(self, service_class: str) -> Lengths:

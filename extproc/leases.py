@@ -161,7 +161,7 @@ class Leases:
         ``reserved_at``: when its reserve was sent (time.monotonic), for a recorded one."""
         self._live[ticket.request_id] = ticket
         view = self._view(ticket.pool)
-        charge = (1, ticket.cost_ms, ticket.kv_tokens)
+        charge = (1, ticket.charge_ms, ticket.kv_tokens)
         if ticket.recorded:
             at = time.monotonic() if reserved_at is None else reserved_at
             view.change(charge, ticket.groups, at)
@@ -170,15 +170,15 @@ class Leases:
             view.unrecorded.add(charge, ticket.groups)
         self.metrics.inflight(ticket.pool, +1)
 
-    async def recharge(self, ticket: Ticket, cost_ms: float, kv_tokens: int) -> None:
-        """Charge a running ticket's entry ``cost_ms`` and ``kv_tokens`` instead. One ledger
+    async def recharge(self, ticket: Ticket, charge_ms: float, kv_tokens: int) -> None:
+        """Charge a running ticket's entry ``charge_ms`` and ``kv_tokens`` instead. One ledger
         call: if the ledger does not answer, the old charge stays on the entry (the heartbeat
         re-records a lost entry at the new one)."""
-        self._charge(ticket, (0, cost_ms - ticket.cost_ms, kv_tokens - ticket.kv_tokens))
-        ticket.cost_ms, ticket.kv_tokens = cost_ms, kv_tokens
+        self._charge(ticket, (0, charge_ms - ticket.charge_ms, kv_tokens - ticket.kv_tokens))
+        ticket.charge_ms, ticket.kv_tokens = charge_ms, kv_tokens
         with contextlib.suppress(LedgerUnavailable):
             await self.call("adjust", self.ledger.adjust(ticket.request_id, ticket.pool,
-                                                         cost_ms, kv_tokens))
+                                                         charge_ms, kv_tokens))
 
     def drop(self, ticket: Ticket) -> None:
         """The ticket's request ended: the heartbeat stops renewing it, and it leaves the local
@@ -187,7 +187,7 @@ class Leases:
         self._live.pop(ticket.request_id, None)
         self._unrecorded.discard(ticket.request_id)
         self.metrics.inflight(ticket.pool, -1)
-        self._charge(ticket, (-1, -ticket.cost_ms, -ticket.kv_tokens))
+        self._charge(ticket, (-1, -ticket.charge_ms, -ticket.kv_tokens))
 
     async def release(self, ticket: Ticket) -> None:
         """Release the ticket's entry; deferred to the next reconcile if the ledger does not
@@ -244,7 +244,7 @@ class Leases:
         holds). A release that raced with it is applied again afterwards."""
         sent = time.monotonic()
         await self.call("reserve", self.ledger.reserve(Entry(
-            ticket.request_id, ticket.pool, ticket.cost_ms, self.settings.liveness_ms,
+            ticket.request_id, ticket.pool, ticket.charge_ms, self.settings.liveness_ms,
             ticket.kv_tokens, ticket.groups)))
         self._recorded(ticket, sent)
         if ticket.settled:  # it ended while we recorded it: its release may have come first
@@ -254,7 +254,7 @@ class Leases:
         """The ledger holds the ticket's entry, from a call sent at ``sent``: in the local
         view, a fail-open admission moves from ``unrecorded`` to a change at ``sent``."""
         if not ticket.recorded and not ticket.settled:  # settled: its release took it out
-            charge = (1, ticket.cost_ms, ticket.kv_tokens)
+            charge = (1, ticket.charge_ms, ticket.kv_tokens)
             view = self._view(ticket.pool)
             view.unrecorded.add(charge, ticket.groups, -1)
             view.change(charge, ticket.groups, sent)

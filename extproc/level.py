@@ -10,7 +10,7 @@ gateway replica measures the same pool). The step
 less work than ``level x replicas`` (or a replica has nothing to do) and a replica has a free
 slot for it (its sequence limit and its KV cache): the model may admit more than the measured
 level, never less. The level is in the ledger's unit, outstanding work per replica (each
-request's charge, ``Decision.service_ms``): a count would let a long request in wherever a
+request's charge, ``Decision.charge_ms``): a count would let a long request in wherever a
 short one was seen to fit.
 
 The invariants (``docs/admission.md``):
@@ -73,7 +73,7 @@ PRIOR_REQUESTS = 20.0  # the model's unavoidable chance counts as this many low-
 @dataclass
 class Level:
     """The measured level of one pool (module docstring), in the ledger's unit: outstanding
-    work (ms of GPU time, ``Decision.service_ms`` each) per ready replica."""
+    work (ms of GPU time, ``Decision.charge_ms`` each) per ready replica."""
 
     level_ms: float = 0.0  # unmeasured: the model and the idle replicas decide
     probing: bool = True  # no back-off in the last ``CLEAN`` top resolutions (else ``CREEP``)
@@ -178,7 +178,7 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
             decision, outcome=Outcome.ADMIT, reason=Reason.IDLE, retry_after_ms=None,
             ceiling_ms=None, max_inflight=None)
     free = replicas * capacity.batch_with(snapshot, cost)
-    work = snapshot.outstanding_ms + decision.service_ms
+    work = snapshot.outstanding_ms + decision.charge_ms
     room = level.level_ms * replicas * min(1.0, max(0.0, left))
     if n + cost.sequences > free or not (n < replicas
                                                   or (replicas > 0 and work <= room)):

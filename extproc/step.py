@@ -133,7 +133,7 @@ class Admission:
     caps: tuple[Cap, ...] = ()  # its tenant's hard caps, for the reserve's atomic check
     at_ms: float = 0.0  # work per replica outstanding with it (the measured level's evidence)
     level_ms: float = 0.0  # the measured level it was decided at (``extproc.level``)
-    charge_ms: float = 0.0  # its own work per replica
+    own_ms: float = 0.0  # its own work per replica (its charge over the ready replicas)
     alone: bool = False  # a replica had nothing to do
     limit: int = 0  # the admission limit its contention check met (0: none checked)
     alone_ms: float = 0.0  # its typical completion alone on an idle replica ...
@@ -155,7 +155,7 @@ class Admission:
     def load_ms(self) -> float | None:
         """The pool's outstanding work per replica it was decided on, its own not included
         (``PoolLearning.decided``); None: it was refused before the pool was looked at."""
-        return self.at_ms - self.charge_ms if self.decision is not None else None
+        return self.at_ms - self.own_ms if self.decision is not None else None
 
     @property
     def retry_after_ms(self) -> float | None:
@@ -283,7 +283,7 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
             # Passing it would queue it in front of admitted work: only a free slot will do
             # (its own replica idle, as its engine reported, is one: ``extproc.level.measured``).
             slot_ms = (snapshot.outstanding_ms / snapshot.inflight if snapshot.inflight
-                       else decision.service_ms) / max(capacity.batch, 1)
+                       else decision.charge_ms) / max(capacity.batch, 1)
             decision = dataclasses.replace(decision, outcome=Outcome.REJECT,
                                            retry_after_ms=max(slot_ms, 1.0))
             outcome = Outcome.REJECT
@@ -323,8 +323,8 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
         chance=(max(alone, miss_chance(cost, decision, policy, learning, ask.service_class))
                 if outcome is Outcome.ADMIT else alone),
         prefill_rate=rate, groups=ask.groups, priority=ask.priority, caps=caps,
-        at_ms=(snapshot.outstanding_ms + decision.service_ms) / max(replicas, 1),
-        level_ms=learning.level.level_ms, charge_ms=decision.service_ms / max(replicas, 1),
+        at_ms=(snapshot.outstanding_ms + decision.charge_ms) / max(replicas, 1),
+        level_ms=learning.level.level_ms, own_ms=decision.charge_ms / max(replicas, 1),
         alone=snapshot.inflight < replicas, limit=limit,
         alone_ms=first + cost.typical * pool.engine.itl_ms(1, cost.prompt_tokens),
         first_alone_ms=first, share=share, streaming=ask.streaming)
@@ -362,7 +362,7 @@ def running_of(adm: Admission, now: float) -> Running:
                    at_ms=adm.at_ms,
                    level_ms=(adm.level_ms if adm.outcome is Outcome.ADMIT
                              and adm.reason is not Reason.IDLE else -1.0),
-                   charge_ms=adm.charge_ms, alone=adm.alone,
+                   own_ms=adm.own_ms, alone=adm.alone,
                    measured=adm.reason in (Reason.MEASURED, Reason.IDLE), share=adm.share,
                    streaming=adm.streaming)
 
@@ -386,10 +386,10 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool,
     reserve = math.ceil(capacity.reserved)
     batch = rules.classes[ask.service_class].batch  # (else: an infeasible request passed)
     grows = math.ceil(learning.demand.needed(now)) if batch else 0
-    mean_ms = (snapshot.outstanding_ms / n) if n else decision.service_ms
+    mean_ms = (snapshot.outstanding_ms / n) if n else decision.charge_ms
     mean_kv = (snapshot.kv_tokens / n) if n else cost.kv
     after = Snapshot(n + cost.sequences + reserve,
-                     snapshot.outstanding_ms + decision.service_ms + grows * mean_ms,
+                     snapshot.outstanding_ms + decision.charge_ms + grows * mean_ms,
                      round(snapshot.kv_tokens + cost.kv + grows * mean_kv),
                      snapshot.prefill_tokens + cost.prompt_tokens)
     plain = dataclasses.replace(capacity, reserved=0.0)

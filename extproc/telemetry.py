@@ -126,5 +126,5 @@ def annotate(span: DecisionSpan, verdict: Verdict, seconds: float, mode: str) ->
         span.set(tenant=verdict.tenant.label)
     if d is not None:
         span.set(wait_ms=d.wait_ms, ttft_ms=d.ttft_ms, completion_ms=d.completion_ms,
-                 budget_ms=d.budget_ms, service_ms=d.service_ms,
+                 budget_ms=d.budget_ms, charge_ms=d.charge_ms,
                  retry_after_ms=d.retry_after_ms)

@@ -42,7 +42,7 @@ class Ticket:
     pool: str
     lease_ms: float
     running: Running  # its record (``extproc.running``): what the pool's learning reads
-    cost_ms: float = 0.0  # its ledger charge
+    charge_ms: float = 0.0  # its ledger charge
     kv_tokens: int = 0  # the KV tokens its ledger entry holds
     groups: tuple[str, ...] = ()  # ... and the groups it counts in (priority, tenant)
     recorded: bool = True  # False when admitted while the ledger was unavailable

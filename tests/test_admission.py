@@ -116,7 +116,7 @@ def test_decide_follows_the_docstring_formula(inflight: int, mean: float, prompt
     if d.reason is Reason.INFEASIBLE:
         return
     want = spec(cost, snap, CAP, policy)
-    assert d.service_ms == pytest.approx(want["charge"])
+    assert d.charge_ms == pytest.approx(want["charge"])
     assert d.wait_ms == pytest.approx(want["wait"])
     assert d.ttft_ms == pytest.approx(want["ttft"])
     assert d.completion_ms == pytest.approx(want["completion"])
@@ -127,7 +127,7 @@ def test_decide_follows_the_docstring_formula(inflight: int, mean: float, prompt
 
 def test_the_ledger_is_charged_the_typical_length_not_max_tokens() -> None:
     d = decide(Cost(100, 4000, 40.0, 40.0), IDLE, CAP, LONG, now=0.0)
-    assert d.service_ms == pytest.approx(100 * 0.1 + 40 * ENGINE.itl_ms(4, MIX.context) / 4)
+    assert d.charge_ms == pytest.approx(100 * 0.1 + 40 * ENGINE.itl_ms(4, MIX.context) / 4)
 
 
 def test_the_promised_length_is_what_the_deadline_is_held_to() -> None:
@@ -232,7 +232,7 @@ def test_an_unchanged_ledger_satisfies_the_ceiling() -> None:
     for snap in (IDLE, Snapshot(5, 2_000), Snapshot(9, 900)):
         d = decide(Cost(100, 100, 50.0, 80.0), snap, CAP, LONG, now=0.0)
         assert d.admitted and d.ceiling_ms is not None
-        assert snap.outstanding_ms + d.service_ms <= d.ceiling_ms
+        assert snap.outstanding_ms + d.charge_ms <= d.ceiling_ms
 
 
 @given(st.integers(0, 30), st.floats(0.0, 10_000.0), st.floats(0.0, 10_000.0))

@@ -127,7 +127,7 @@ async def test_a_long_cold_prompt_is_decided_on_an_estimate_and_the_ledger_made_
     exact = charge_of(Ask("latency", exact_prompt, request.max_tokens), pool,
                       gate.learning["llama"], 1)
     assert (await ledger.snapshot("llama")).outstanding_ms == pytest.approx(exact, rel=1e-12)
-    assert verdict.ticket.cost_ms == pytest.approx(exact, rel=1e-12)
+    assert verdict.ticket.charge_ms == pytest.approx(exact, rel=1e-12)
     await gate.settle(verdict.ticket)
     assert await ledger.snapshot("llama") == await MemoryLedger().snapshot("llama")
     # The same prompt again is all cached: counted exactly, at once.
@@ -136,7 +136,7 @@ async def test_a_long_cold_prompt_is_decided_on_an_estimate_and_the_ledger_made_
     # (the pool's mix learned from the first request since: the same charge rule, today's mix)
     exact = charge_of(Ask("latency", exact_prompt, request.max_tokens), pool,
                       gate.learning["llama"], 1)
-    assert again.ticket.cost_ms == pytest.approx(exact, rel=1e-12)
+    assert again.ticket.charge_ms == pytest.approx(exact, rel=1e-12)
     assert metrics.prompt_counts.labels("llama", "cached")._value.get() == 1
     await gate.settle(again.ticket)
 

@@ -55,7 +55,7 @@ async def ledger(request: pytest.FixtureRequest) -> AsyncIterator[Ledger]:
 
 def entry(rid: str, cost: float = 100.0, pool: str = "p", lease_ms: float = 60_000,
           kv: int = 1000, groups: tuple[str, ...] = ()) -> Entry:
-    return Entry(request_id=rid, pool=pool, cost_ms=cost, lease_ms=lease_ms, kv_tokens=kv,
+    return Entry(request_id=rid, pool=pool, charge_ms=cost, lease_ms=lease_ms, kv_tokens=kv,
                  groups=groups)
 
 

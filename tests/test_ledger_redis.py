@@ -46,7 +46,7 @@ def make(url: str | None = None, pools: tuple[str, ...] = ("p",), **section: Any
 
 
 def entry(rid: str, cost: float = 100.0, pool: str = "p", lease_ms: float = 60_000) -> Entry:
-    return Entry(request_id=rid, pool=pool, cost_ms=cost, lease_ms=lease_ms)
+    return Entry(request_id=rid, pool=pool, charge_ms=cost, lease_ms=lease_ms)
 
 
 async def round_trip(ledger: RedisLedger) -> None:

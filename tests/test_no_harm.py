@@ -58,7 +58,7 @@ def at(n: int, learning: PoolLearning) -> Snapshot:
     """``n`` requests like ``ask()`` in flight."""
     charge = admit(ask(), POOL, RULES, learning, Snapshot(0, 0.0), R, 0.0).decision
     assert charge is not None
-    return Snapshot(n, n * charge.service_ms)
+    return Snapshot(n, n * charge.charge_ms)
 
 
 def decide_at(learning: PoolLearning, n: int, now: float, a: Ask | None = None) -> Admission:

@@ -31,7 +31,7 @@ def ledger(server: RedisServer, certs: Certs, prefix: str = "extproc") -> RedisL
 
 
 def entry(rid: str, cost: float, lease_ms: float = 60_000) -> Entry:
-    return Entry(request_id=rid, pool="p", cost_ms=cost, lease_ms=lease_ms)
+    return Entry(request_id=rid, pool="p", charge_ms=cost, lease_ms=lease_ms)
 
 
 async def test_a_user_confined_to_the_ledger_prefix_runs_it_over_tls_and_nothing_else(

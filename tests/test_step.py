@@ -81,13 +81,13 @@ def test_each_of_n_choices_is_a_sequence_charged_its_slot_its_kv_and_its_decode(
                        0.0) for n in (1, 4))
     assert four.cost.typical == one.cost.typical  # each sequence's
     assert four.cost.kv - 500 == pytest.approx(4 * (one.cost.kv - 500))  # the prompt is shared
-    shared = 4 * one.decision.service_ms - four.decision.service_ms
+    shared = 4 * one.decision.charge_ms - four.decision.charge_ms
     assert shared > 0  # the decode of each of the four, their prompt prefilled once
-    assert four.decision.service_ms > 3 * one.decision.service_ms
+    assert four.decision.charge_ms > 3 * one.decision.charge_ms
     # the longest of four is promised a higher quantile of one answer's lengths
     assert four.cost.promised >= one.cost.promised
     # seven of eight slots taken: one choice fits, four do not (they would queue)
-    busy = Snapshot(7, 7 * one.decision.service_ms)
+    busy = Snapshot(7, 7 * one.decision.charge_ms)
     assert admit(Ask("latency", 500, 200), POOL, RULES, learning, busy, 2, 0.0).runs
     refused = admit(Ask("latency", 500, 200, choices=4), POOL, RULES, learning, busy, 2, 0.0)
     assert not refused.runs and refused.decision.position == 3
@@ -106,7 +106,7 @@ def test_min_tokens_and_ignore_eos_set_the_least_each_sequence_is_charged() -> N
     least = step(Ask("latency", 500, 300, min_tokens=250))
     assert plain.cost.typical == pytest.approx(100, rel=0.1)
     assert least.cost.typical == least.cost.promised == 250
-    assert least.decision.service_ms > 2 * plain.decision.service_ms
+    assert least.decision.charge_ms > 2 * plain.decision.charge_ms
     # without max_tokens, the engine writes min_tokens even past the pool's default
     assert step(Ask("throughput", 500, None, min_tokens=3000)).cost.typical == 3000
     # with ignore_eos, all of max_tokens

@@ -3,7 +3,7 @@
 Contract (every implementation passes the same tests, ``tests/test_ledger_contract.py``):
 
 - ``reserve(entry, ceiling_ms, max_inflight, caps)`` records an admitted request, atomically
-  refusing it when the pool's outstanding work plus ``entry.cost_ms`` would exceed
+  refusing it when the pool's outstanding work plus ``entry.charge_ms`` would exceed
   ``ceiling_ms``, or its in-flight count with this entry would exceed ``max_inflight``
   (``None``: no check), or a group's count or work would pass its ``Cap``. The request id is
   the key: reserving an id already present changes nothing and returns True, so a retried
@@ -14,7 +14,7 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 - ``heartbeat(pool, request_ids, lease_ms)`` renews many live entries at once (a replica's
   heartbeat: one call per pool, whatever its load) and returns the ids it did not find, never
   re-creating one.
-- ``adjust(request_id, pool, cost_ms, kv_tokens)`` changes the cost (and, when given, the
+- ``adjust(request_id, pool, charge_ms, kv_tokens)`` changes the cost (and, when given, the
   KV footprint) of a live entry (its exact count arrived after it was admitted on an
   estimate); False, touching nothing, when it is gone.
 - ``expire()`` drops entries whose lease ended (their gateway died or lost the stream); a
@@ -56,7 +56,7 @@ from extproc.admission import Snapshot
 class Entry:
     request_id: str
     pool: str
-    cost_ms: float  # the request's estimated service time, its share of outstanding work
+    charge_ms: float  # the request's estimated service time, its share of outstanding work
     lease_ms: float  # how long the entry lives without a renewal or release
     kv_tokens: int = 0  # the KV cache it will hold: prompt + typical output
     groups: tuple[str, ...] = ()  # the groups it counts in (names without spaces)
@@ -96,7 +96,7 @@ class Ledger(Protocol):
     async def heartbeat(self, pool: str, request_ids: Sequence[str],
                         lease_ms: float) -> list[str]: ...
 
-    async def adjust(self, request_id: str, pool: str, cost_ms: float,
+    async def adjust(self, request_id: str, pool: str, charge_ms: float,
                      kv_tokens: int | None = None) -> bool: ...
 
     async def expire(self) -> int: ...

@@ -85,20 +85,20 @@ class LedgerCore:
         pool = self._pool(entry.pool)
         if entry.request_id in pool.entries:
             return Reserved.RECORDED
-        if ceiling_ms is not None and pool.outstanding_ms + entry.cost_ms > ceiling_ms:
+        if ceiling_ms is not None and pool.outstanding_ms + entry.charge_ms > ceiling_ms:
             return Reserved.FULL
         if max_inflight is not None and len(pool.entries) + 1 > max_inflight:
             return Reserved.FULL
-        if _capped(pool, entry.cost_ms, caps):
+        if _capped(pool, entry.charge_ms, caps):
             return Reserved.FULL
         now = self._clock()
         if ceiling_ms is not None and self._behind(pool, entry, now):
             return Reserved.YIELDED
         end = now + entry.lease_ms / 1000.0
-        pool.entries[entry.request_id] = (entry.cost_ms, end, entry.kv_tokens, entry.groups)
-        pool.outstanding_ms += entry.cost_ms
+        pool.entries[entry.request_id] = (entry.charge_ms, end, entry.kv_tokens, entry.groups)
+        pool.outstanding_ms += entry.charge_ms
         pool.kv_tokens += entry.kv_tokens
-        pool.count(entry.groups, entry.cost_ms, +1)
+        pool.count(entry.groups, entry.charge_ms, +1)
         heapq.heappush(pool.leases, (end, entry.request_id))
         return Reserved.RECORDED
 
@@ -143,19 +143,19 @@ class LedgerCore:
     def heartbeat(self, pool: str, request_ids: Sequence[str], lease_ms: float) -> list[str]:
         return [rid for rid in request_ids if not self.renew(rid, pool, lease_ms)]
 
-    def adjust(self, request_id: str, pool: str, cost_ms: float,
+    def adjust(self, request_id: str, pool: str, charge_ms: float,
                kv_tokens: int | None = None) -> bool:
         p = self._pools.get(pool)
         if p is None or request_id not in p.entries:
             return False
         old, end, kv, groups = p.entries[request_id]
         new_kv = kv if kv_tokens is None else kv_tokens
-        p.entries[request_id] = (cost_ms, end, new_kv, groups)
-        p.outstanding_ms = max(0.0, p.outstanding_ms - old + cost_ms)
+        p.entries[request_id] = (charge_ms, end, new_kv, groups)
+        p.outstanding_ms = max(0.0, p.outstanding_ms - old + charge_ms)
         p.kv_tokens += new_kv - kv
         for g in groups:
             n, work = p.groups[g]
-            p.groups[g] = (n, max(0.0, work - old + cost_ms))
+            p.groups[g] = (n, max(0.0, work - old + charge_ms))
         return True
 
     def expire(self) -> int:
@@ -203,9 +203,9 @@ class MemoryLedger:
                         lease_ms: float) -> list[str]:
         return self.core.heartbeat(pool, request_ids, lease_ms)
 
-    async def adjust(self, request_id: str, pool: str, cost_ms: float,
+    async def adjust(self, request_id: str, pool: str, charge_ms: float,
                      kv_tokens: int | None = None) -> bool:
-        return self.core.adjust(request_id, pool, cost_ms, kv_tokens)
+        return self.core.adjust(request_id, pool, charge_ms, kv_tokens)
 
     async def expire(self) -> int:
         return self.core.expire()

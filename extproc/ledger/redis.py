@@ -178,7 +178,7 @@ class RedisLedger:
     async def reserve(self, entry: Entry, ceiling_ms: float | None = None,
                       max_inflight: int | None = None, caps: Sequence[Cap] = ()) -> Reserved:
         self._pools.setdefault(entry.pool)
-        args = [entry.request_id, _num(entry.cost_ms), _num(entry.lease_ms),
+        args = [entry.request_id, _num(entry.charge_ms), _num(entry.lease_ms),
                 "" if ceiling_ms is None else _num(ceiling_ms), str(int(entry.kv_tokens)),
                 "" if max_inflight is None else str(int(max_inflight)),
                 " ".join(_group(g) for g in entry.groups),
@@ -254,10 +254,10 @@ class RedisLedger:
             missing += [_text(g) for g in gone]
         return missing
 
-    async def adjust(self, request_id: str, pool: str, cost_ms: float,
+    async def adjust(self, request_id: str, pool: str, charge_ms: float,
                      kv_tokens: int | None = None) -> bool:
         _, costs, total, kv, groups, _ = self.keys(pool)
-        args = (request_id, _num(cost_ms), "" if kv_tokens is None else str(int(kv_tokens)))
+        args = (request_id, _num(charge_ms), "" if kv_tokens is None else str(int(kv_tokens)))
         return bool(await self._run("adjust", _ADJUST, (costs, total, kv, groups), args))
 
     async def expire(self) -> int:

@@ -519,7 +519,7 @@ class Simulation:
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
                 adm = _refused(adm, Reason.PRIORITY)  # a higher band is held (extproc.defer)
             outcome, retry_ms = adm.outcome, adm.retry_after_ms
-            service = adm.decision.service_ms if adm.decision is not None else 0.0
+            service = adm.decision.charge_ms if adm.decision is not None else 0.0
             kv = adm.kv_tokens
             if self._defers and outcome is Outcome.REJECT and adm.reason in DEFERRABLE:
                 if held is not None and now < held.until:
@@ -542,7 +542,7 @@ class Simulation:
                                           snapshot, capacity, policy, now,
                                           self._engine_view(now))
             outcome, retry_ms = decision.outcome, decision.retry_after_ms
-            service, kv = decision.service_ms, job.prompt_tokens
+            service, kv = decision.charge_ms, job.prompt_tokens
         if held is not None:
             self.queue.sent(held) if outcome is not Outcome.REJECT else self.queue.remove(held)
         if adm is not None and adm.decision is not None:
