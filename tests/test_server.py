@@ -248,11 +248,11 @@ async def test_one_trip_wait_counts_from_the_request_start() -> None:
     """Shedding in one trip: the wait is from Envoy's request.time to the body reaching us;
     a backlog of slow ones sheds the next body unparsed (429 processor_overloaded)."""
     async with serving(settings(shed_wait_ms=100)) as (svc, stub):
-        for _ in range(svc.processor.backlog.SIZE):
-            svc.processor.backlog.add(0.0)
-        for _ in range(svc.processor.backlog.SIZE // 2 + 1):
+        for _ in range(svc.processor.delay.SIZE):
+            svc.processor.delay.add(0.0)
+        for _ in range(svc.processor.delay.SIZE // 2 + 1):
             await Stream(stub).send(one_trip(b"{not json", began_s_ago=0.5))
-        assert svc.processor.backlog.behind
+        assert svc.processor.delay.behind
         resp = await Stream(stub).send(one_trip(chat(100)))
         assert resp.immediate_response.status.code == 429
         assert immediate_headers(resp)["x-admission-reason"] == "processor_overloaded"
