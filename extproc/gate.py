@@ -493,8 +493,7 @@ class Gate:
         assert adm is not None
         running = running_of(adm, self._clock())
         ticket = Ticket(entry.request_id, entry.pool, entry.lease_ms, running,
-                        charge_ms=entry.charge_ms, kv_tokens=entry.kv_tokens, groups=entry.groups,
-                        recorded=recorded)
+                        charge_ms=entry.charge_ms, kv_tokens=entry.kv_tokens, recorded=recorded)
         self.leases.hold(ticket, reserved_at)
         self.learning[entry.pool].admitted(running, key=ticket.request_id)
         return ticket

@@ -370,13 +370,13 @@ class PoolLearning:
         requests or more)."""
         total = sum(self._asked.values())
         return [c for c, n in self._asked.items()
-                if n >= CLASS_SHARE * total and c in rules.classes and not rules.batch(c)]
+                if n >= CLASS_SHARE * total and rules.interactive(c)]
 
     def batch_reserve(self, rules: Rules, now: float) -> float:
         """Slots a batch request must leave free beyond those it takes: what the interactive
         classes need (``Demand.needed``) less what their requests hold now, which the pool's
         in-flight count already has. A read."""
-        held = sum(n for c, n in self.inflight.items() if c in rules.classes and not rules.batch(c))
+        held = sum(n for c, n in self.inflight.items() if rules.interactive(c))
         return max(0.0, self.demand.needed(now) - held)
 
     def _several(self) -> bool:
@@ -597,21 +597,21 @@ class PoolLearning:
         seconds = now - running.started
         self.inflight[cls] = max(0, self.inflight.get(cls, 0) - 1)
         missed = seconds > running.deadline_s
-        kept = self._running.pop(key, None) if key is not None else None
-        if kept is not None:  # whatever the estimate says, its prompt is prefilled
-            self.backlog.tokens = max(0.0, self.backlog.tokens - kept.prompt_tokens)
-        if kept is not None and completed and not missed:
-            self._completed(kept)
-        if kept is not None and not completed:
-            self._abandoned(kept, seconds, now)
-        if key is not None and kept is not None and math.isfinite(kept.deadline_s):
-            if not kept.missed and (missed or completed):
-                self._ended[key] = (kept, missed)
+        kept = key is not None and self._running.pop(key, None) is not None  # (``admitted``)
+        if kept:  # whatever the estimate says, its prompt is prefilled
+            self.backlog.tokens = max(0.0, self.backlog.tokens - running.prompt_tokens)
+        if kept and completed and not missed:
+            self._completed(running)
+        if kept and not completed:
+            self._abandoned(running, seconds, now)
+        if kept and key is not None and math.isfinite(running.deadline_s):
+            if not running.missed and (missed or completed):
+                self._ended[key] = (running, missed)
         elif missed or completed:
-            if kept is None:
+            if not kept:
                 self.promise(cls).settled(missed, running.unavoidable, running.unavoidable)
             else:
-                self._resolved(kept, missed, now)
+                self._resolved(running, missed, now)
         if not running.batch:
             self.demand.served(seconds, now)
         for group in running.groups:

@@ -32,7 +32,7 @@ class Rules:
         return cls(config.classes, config.infeasible, config.ledger.lease_grace_ms,
                    config.tenant, config.priority.default, config.defer.enabled)
 
-    def batch(self, service_class: str) -> bool:
-        """Whether ``service_class`` is a batch class (an unknown one is not)."""
+    def interactive(self, service_class: str) -> bool:
+        """Whether ``service_class`` is a configured class without ``batch``."""
         cls = self.classes.get(service_class)
-        return cls is not None and cls.batch
+        return cls is not None and not cls.batch

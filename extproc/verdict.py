@@ -44,7 +44,6 @@ class Ticket:
     running: Running  # its record (``extproc.running``): what the pool's learning reads
     charge_ms: float = 0.0  # its ledger charge
     kv_tokens: int = 0  # the KV tokens its ledger entry holds
-    groups: tuple[str, ...] = ()  # ... and the groups it counts in (priority, tenant)
     recorded: bool = True  # False when admitted while the ledger was unavailable
     settled: bool = False  # set by ``Gate.settle``: the heartbeat stops renewing it
     # its exact count, when it was admitted on an estimate (``Gate._recount``)
@@ -54,6 +53,11 @@ class Ticket:
     @property
     def service_class(self) -> str:
         return self.running.service_class
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The ledger groups its entry counts in (priority, tenant)."""
+        return self.running.groups
 
 
 @dataclass(frozen=True)

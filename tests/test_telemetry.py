@@ -1,7 +1,13 @@
 import time
 
+from extproc import config as config_mod
+from extproc.admission import Snapshot
 from extproc.config import TracingConfig
-from extproc.telemetry import Tracing
+from extproc.learning import learning_for
+from extproc.rules import Rules
+from extproc.step import Ask, admit
+from extproc.telemetry import Tracing, annotate
+from extproc.verdict import Verdict
 from tests.otlp_receiver import Receiver
 
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -56,3 +62,26 @@ def test_request_traceparent_is_the_fallback_parent() -> None:
     child, root = receiver.spans
     assert child["parent_span_id"] == PARENT_SPAN
     assert root["parent_span_id"] == "" and root["trace_id"] != PARENT_TRACE
+
+
+def test_a_decided_verdict_explains_itself_on_its_span() -> None:
+    """What the README lists reaches the collector, read from the step's admission (the
+    verdict keeps no copies of it): the charge, the prediction, the tokens, never the text."""
+    config = config_mod.from_mapping({})
+    pool = config.pools[0]
+    adm = admit(Ask("latency", 300, 50), pool, Rules.of(config), learning_for(pool),
+                Snapshot(0, 0.0), 2, 0.0)
+    verdict = Verdict(adm.outcome, adm.reason, pool.name, adm.service_class, admission=adm)
+    assert verdict.decision is adm.decision and adm.decision is not None
+    with Receiver() as receiver:
+        tracing = Tracing(TracingConfig(endpoint=receiver.endpoint))
+        with tracing.span({}, {}) as span:
+            annotate(span, verdict, 0.001, "enforce")
+        tracing.shutdown()
+        wait_for_spans(receiver, 1)
+    attrs = receiver.spans[0]["attributes"]
+    assert attrs["extproc.outcome"] == "admit" and attrs["extproc.pool"] == pool.name
+    assert attrs["extproc.charge_ms"] == adm.decision.charge_ms > 0
+    assert attrs["extproc.completion_ms"] == adm.decision.completion_ms
+    assert attrs["gen_ai.usage.input_tokens"] == 300
+    assert "extproc.service_ms" not in attrs

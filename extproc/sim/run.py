@@ -298,7 +298,6 @@ class Simulation:
         self._marks: dict[int, tuple[float, float, float]] = {}  # replica -> integrals seen
         self._pending_sends = 0
         self._view = EngineView()
-        self._prefill_rate = 0.0  # the last step decision's (the backlog's drain)
         self._view_at = -INF
         # The engines' latency histograms since the gateway's last scrape round: first-token
         # seconds and count, inter-token seconds and count (``_timed``).
@@ -545,8 +544,6 @@ class Simulation:
             service, kv = decision.charge_ms, job.prompt_tokens
         if held is not None:
             self.queue.sent(held) if outcome is not Outcome.REJECT else self.queue.remove(held)
-        if adm is not None and adm.decision is not None:
-            self._prefill_rate = adm.prefill_rate
         if outcome is Outcome.REJECT:
             res.would_reject += 1
         if outcome is Outcome.INVALID:
@@ -578,8 +575,7 @@ class Simulation:
             a.record = running_of(adm, now)
         else:  # a baseline's: nothing predicted, resolved when its stream ends
             a.record = Running(job.service_class, now, deadline_s=a.deadline_s, batch=a.batch,
-                               groups=ask.groups, prefill_rate=self._prefill_rate,
-                               prompt_tokens=job.prompt_tokens)
+                               groups=ask.groups, prompt_tokens=job.prompt_tokens)
         learning.admitted(a.record, key=a.key if adm is not None else None)
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
