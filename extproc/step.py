@@ -146,6 +146,18 @@ class Admission:
         """The KV cache its ledger entry holds (``Cost.kv``)."""
         return round(self.cost.kv)
 
+    def refused(self, reason: Reason, retry_after_ms: float | None = None) -> Admission:
+        """This admission refused after all, for ``reason`` (a 429: held higher bands, a ledger
+        that keeps refusing the reserve, a hold that ended): no ledger checks, and its decision
+        refused with it (its Retry-After ``retry_after_ms`` when given)."""
+        d = self.decision
+        if d is not None:
+            d = dataclasses.replace(d, outcome=Outcome.REJECT, reason=reason, ceiling_ms=None,
+                                    retry_after_ms=(d.retry_after_ms if retry_after_ms is None
+                                                    else retry_after_ms))
+        return dataclasses.replace(self, outcome=Outcome.REJECT, reason=reason, decision=d,
+                                   ceiling_ms=None, max_inflight=None)
+
     @property
     def runs(self) -> bool:
         """It goes to the engines (admitted, or passed as infeasible into a free slot)."""

@@ -113,7 +113,8 @@ def invalid(error: RequestError, pool: str | None, cls: str) -> Verdict:
 def refused_held(verdict: Verdict, reason: Reason, retry_ms: float) -> Verdict:
     """A request that was, or would have been, held is refused after all (``extproc.defer``):
     a 429 with ``reason`` and a Retry-After of ``retry_ms`` (the queue's predicted drain)."""
-    refused = _refused(verdict, reason, retry_after_ms=max(1.0, retry_ms))
+    assert verdict.admission is not None
+    refused = verdict.admission.refused(reason, retry_after_ms=max(1.0, retry_ms))
     return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason, ticket=None,
                                admission=refused)
 
@@ -122,18 +123,9 @@ def contended(verdict: Verdict, reason: Reason = Reason.DEADLINE) -> Verdict:
     """An admission that does not run after all (a 429, or held): every reserve was refused,
     other gateways keep filling the room we saw; or (``reason`` ``PRIORITY``) a higher
     priority is held, here or by another gateway (``extproc.defer``, ``Ledger.wait``)."""
+    assert verdict.admission is not None
     return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason,
-                               admission=_refused(verdict, reason))
-
-
-def _refused(verdict: Verdict, reason: Reason, **decision: Any) -> Admission:
-    """The verdict's admission, refused for ``reason`` (its decision too, with no ceiling)."""
-    adm = verdict.admission
-    assert adm is not None and adm.decision is not None
-    refused = dataclasses.replace(adm.decision, outcome=Outcome.REJECT, reason=reason,
-                                  ceiling_ms=None, **decision)
-    return dataclasses.replace(adm, outcome=Outcome.REJECT, reason=reason, decision=refused,
-                               ceiling_ms=None, max_inflight=None)
+                               admission=verdict.admission.refused(reason))
 
 
 class Listener(Protocol):

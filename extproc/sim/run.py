@@ -516,7 +516,7 @@ class Simulation:
             adm = admit(ask, pool, self.rules, learning, snapshot, len(self.ready), now,
                         Correction(idle=idle))
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
-                adm = _refused(adm, Reason.PRIORITY)  # a higher band is held (extproc.defer)
+                adm = adm.refused(Reason.PRIORITY)  # a higher band is held (extproc.defer)
             outcome, retry_ms = adm.outcome, adm.retry_after_ms
             service = adm.decision.charge_ms if adm.decision is not None else 0.0
             kv = adm.kv_tokens
@@ -527,10 +527,10 @@ class Simulation:
                     refused = self._hold(a, adm)
                     if refused is None:
                         return  # held
-                    adm = _refused(adm, refused.reason or adm.reason)
+                    adm = adm.refused(refused.reason or adm.reason)
                     retry_ms = refused.retry_ms
                 else:
-                    adm = _refused(adm, Reason.QUEUE_DEADLINE)
+                    adm = adm.refused(Reason.QUEUE_DEADLINE)
             learning.decided(adm.limit, adm.load_ms, now)
             if self.on_decision is not None:
                 self.on_decision(job, snapshot, adm)
@@ -894,6 +894,3 @@ def simulate(scenario: Scenario, policy: AdmissionPolicy,
     return Simulation(scenario, policy).run(progress)
 
 
-def _refused(adm: Admission, reason: Reason) -> Admission:
-    return dataclasses.replace(adm, outcome=Outcome.REJECT, reason=reason, ceiling_ms=None,
-                               max_inflight=None)
