@@ -1,7 +1,7 @@
 """Answers nobody waited for: the default with the engines' measured speed and without it.
 
 A stream whose client gave up counts, censored, in the lengths a request's chance of missing
-even alone is read from, at the speed the engines measured (``extproc.learning``, "Answers
+even alone is read from, at the speed the engines measured (``extproc.decision.learning``, "Answers
 nobody waited for"). Without engine metrics there is no measured speed and nothing is counted:
 that is the "off" column here (``PoolLearning.engine_speed`` ignored), the same draws side by
 side. Per cell: the default's goodput on over off, each against the better of naive and
@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 from concurrent.futures import ProcessPoolExecutor
 
-from extproc.admission import Outcome
-from extproc.learning import PoolLearning
+from extproc.decision.admission import Outcome
+from extproc.decision.learning import PoolLearning
+from extproc.decision.step import Admission, capacity_for, longest_alone
 from extproc.sim import families, policies
 from extproc.sim.run import Simulation, simulate
-from extproc.step import Admission, capacity_for, longest_alone
-from extproc.workload import Job
+from extproc.sim.workload import Job
 
 MEASURED = PoolLearning.engine_speed
 PEERS = ("naive", "saturation")

@@ -5,7 +5,7 @@ One run, one machine, one load generator, every configuration measured in turns:
     (a) envoy      Envoy straight to the fake backend: no ext_proc filter at all
     (b) noop       Envoy + a no-op Python processor (``benchmarks/noop_extproc.py``): the same
                    grpc.aio stack, xds-protos messages and Envoy configuration as
-                   ``extproc serve`` (``extproc.envoyconf``'s default processing modes: one
+                   ``extproc serve`` (``extproc.gateway.envoyconf``'s default processing modes: one
                    gRPC trip per clean request, the body with the headers as attributes)
     (c) memory     Envoy + ``extproc serve`` with the in-process ledger (not in the default
                    ``--configs``: it adds a minute and no target reads it)
@@ -16,15 +16,15 @@ One run, one machine, one load generator, every configuration measured in turns:
     (b2) noop-alt  (b) in the other processing mode (two trips: headers, then body)
     (d2) redis-alt (d) in the other processing mode; (b2) and (d2) are the modes' comparison
     (d3) redis-native (d) with prompts counted by the tokenizer's own call, as before counting
-                   a piece at a time (``extproc.pieces``; ``PieceCounter.of`` answers None, so
-                   the batch thread counts while other decisions are under way)
+                   a piece at a time (``extproc.tokens.pieces``; ``PieceCounter.of`` answers None,
+                   so the batch thread counts while other decisions are under way)
     (s) stub       ``extproc serve`` whose ``Gate.check`` admits at once (no parse, count,
                    decision, ledger, metrics or settle): the stream adapter, gRPC and the event
                    loop alone: a bound on what any decision can reach
 
-Envoy is rendered by ``extproc.envoyconf`` for all five (for (a) without the filter), so (b)..(e)
-differ only in the process that answers the ext_proc stream. The fake backend answers at once
-(``--time-scale 0``, one output token, ``max_tokens`` 8), and the pool is sized far beyond the
+Envoy is rendered by ``extproc.gateway.envoyconf`` for all five (for (a) without the filter), so
+(b)..(e) differ only in the process that answers the ext_proc stream. The fake backend answers at
+once (``--time-scale 0``, one output token, ``max_tokens`` 8), and the pool is sized far beyond the
 load (100 replicas x 100 slots), so extproc admits everything: we measure overhead, never
 rejections. Every run checks that: non-2xx answers, 429s and Envoy's ext_proc failures
 (message timeouts, fail-open passes) are counted and reported, and should all be 0.
@@ -138,7 +138,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from extproc import config as config_mod  # noqa: E402
-from extproc import envoyconf  # noqa: E402
+from extproc.gateway import envoyconf  # noqa: E402
 from extproc_dev.loadgen import percentile, prompt_text  # noqa: E402
 from extproc_dev.stack import Process, envoy_binary, free_port, wait_http  # noqa: E402
 
@@ -312,14 +312,14 @@ VARIANTS = (
 DEFAULT_CONFIGS = ("envoy", "noop", "stub", "redis", "workers", "noop-alt", "redis-alt",
                    "redis-native")
 # `extproc serve` counting with the tokenizer's own call (no counter a piece at a time)
-_SERVE_COUNTING_NATIVELY = ("import sys, extproc.pieces as p; p.PieceCounter.of ="
+_SERVE_COUNTING_NATIVELY = ("import sys, extproc.tokens.pieces as p; p.PieceCounter.of ="
                             " staticmethod(lambda tokenizer: None);"
                             " from extproc.cli import main; sys.exit(main())")
 # `extproc serve` whose Gate.check answers "admit" at once: parse, price, decide, ledger,
 # metrics and settle all skipped; the stream adapter, gRPC and the event loop remain
 _SERVE_WITHOUT_A_DECISION = (
-    "import sys, extproc.gate as g; from extproc.verdict import Verdict;"
-    " from extproc.admission import Outcome, Reason;"
+    "import sys, extproc.gateway.gate as g; from extproc.gateway.verdict import Verdict;"
+    " from extproc.decision.admission import Outcome, Reason;"
     " v = Verdict(Outcome.ADMIT, Reason.FITS)\n"
     "async def check(self, *args, **kwargs): return v\n"
     "g.Gate.check = check; from extproc.cli import main; sys.exit(main())")

@@ -16,7 +16,7 @@ a time against the tokenizer's own call (issue 19).
    has arrived, against the charge computed from the exact count. Targets: decision p50 <= 3 ms
    while exact counting takes far longer; the ledger exact within 2%.
 
-3. A piece at a time (``extproc.pieces``) against the tokenizer's own call
+3. A piece at a time (``extproc.tokens.pieces``) against the tokenizer's own call
    (``encode_batch_fast`` of one request's texts, what ``native`` counts with), on texts never
    seen, by shape: short prose (~200 tokens), a chat message of a support conversation, source
    code, Chinese and Japanese, and ~2,000 tokens of prose (the longest counted before a
@@ -47,13 +47,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from extproc import config  # noqa: E402
-from extproc.capacity import StaticCapacity  # noqa: E402
-from extproc.estimate import TokenizerCounter, prompt_tokens  # noqa: E402
-from extproc.gate import Gate  # noqa: E402
+from extproc.decision.step import Ask, charge_of  # noqa: E402
+from extproc.fleet.capacity import StaticCapacity  # noqa: E402
+from extproc.gateway.gate import Gate  # noqa: E402
+from extproc.gateway.request import parse  # noqa: E402
 from extproc.ledger.memory import MemoryLedger  # noqa: E402
-from extproc.metrics import Metrics  # noqa: E402
-from extproc.request import parse  # noqa: E402
-from extproc.step import Ask, charge_of  # noqa: E402
+from extproc.observability.metrics import Metrics  # noqa: E402
+from extproc.tokens.estimate import TokenizerCounter, prompt_tokens  # noqa: E402
 
 WORDS = ("the", "model", "should", "explain", "how", "the", "scheduler", "batches", "requests",
          "and", "why", "a", "queue", "forms", "when", "prompts", "are", "long", "while",

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/engine_calibration.py
 
-For each preset of ``extproc.engine``: a decode step's time by batch and context, a lone
+For each preset of ``extproc.fleet.engine``: a decode step's time by batch and context, a lone
 prompt's time to first token by its length (chunked prefill, the token budget a step), and for
 the default preset the inter-token latency a closed loop of 1, 50 and 100 clients measures
 with the Azure conversation trace's lengths (``calibration_itl_ms``), beside the published
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extproc.engine import (
+from extproc.fleet.engine import (
     LLAMA_8B_1XH100,
     LLAMA_70B_FP8_2XH100,
     EngineModel,
@@ -21,7 +21,7 @@ from extproc.engine import (
     Sequence,
     calibration_itl_ms,
 )
-from extproc.workload import read_azure
+from extproc.sim.workload import read_azure
 
 TRACE = (Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"
          / "azure-llm-2023-conv.csv.gz")

@@ -2,8 +2,8 @@
 
 What issue 19's ledger lever changes: an admission read the pool's snapshot, then reserved
 (two script calls), and each finished request released on its own (a third). Now the reserve
-and release answers carry the snapshot the next decision reuses (``extproc.leases.FRESH_MS``),
-and releases queued together go in one script call per pool.
+and release answers carry the snapshot the next decision reuses
+(``extproc.gateway.leases.FRESH_MS``), and releases queued together go in one script call per pool.
 
 Method, in one run so that the figures are comparable: one ``redis-server`` (free port,
 ``tests/redis_server.py``); each variant runs in a process of its own on uvloop, driving
@@ -143,10 +143,10 @@ async def two_gateways(url: str, requests: int, concurrency: int,
     import redis
 
     from extproc import config
-    from extproc.capacity import StaticCapacity
-    from extproc.gate import Gate
+    from extproc.fleet.capacity import StaticCapacity
+    from extproc.gateway.gate import Gate
     from extproc.ledger.redis import RedisLedger
-    from extproc.metrics import Metrics
+    from extproc.observability.metrics import Metrics
 
     small = settings(url)
     small["pools"] = [{"name": "llm", "replicas": 1, "bytes_per_token": 4.0,
@@ -204,11 +204,12 @@ async def variant(url: str, requests: int, concurrency: int, rate: float,
                   hold_ms: float) -> dict[str, Any]:
     import redis
 
-    from extproc import config, leases
-    from extproc.capacity import StaticCapacity
-    from extproc.gate import Gate
+    from extproc import config
+    from extproc.fleet.capacity import StaticCapacity
+    from extproc.gateway import leases
+    from extproc.gateway.gate import Gate
     from extproc.ledger.redis import RedisLedger
-    from extproc.metrics import Metrics
+    from extproc.observability.metrics import Metrics
 
     if "LEDGER_CALLS_FRESH_MS" in os.environ:
         leases.FRESH_MS = float(os.environ["LEDGER_CALLS_FRESH_MS"])  # type: ignore[attr-defined]

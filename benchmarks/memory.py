@@ -40,12 +40,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from extproc import config  # noqa: E402
-from extproc.capacity import StaticCapacity  # noqa: E402
-from extproc.control import Control  # noqa: E402
-from extproc.gate import Gate  # noqa: E402
+from extproc.fleet.capacity import StaticCapacity  # noqa: E402
+from extproc.gateway.gate import Gate  # noqa: E402
+from extproc.gateway.verdict import Ticket  # noqa: E402
 from extproc.ledger.memory import MemoryLedger  # noqa: E402
-from extproc.metrics import Metrics  # noqa: E402
-from extproc.verdict import Ticket  # noqa: E402
+from extproc.observability.metrics import Metrics  # noqa: E402
+from extproc.scaling.control import Control  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 WORDS = ("please", "summarize", "the", "following", "clinical", "note", "and", "list", "each",

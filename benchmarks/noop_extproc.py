@@ -5,10 +5,10 @@ It answers every phase Envoy sends with "continue" and decides nothing. Everythi
 
 - the same stack: ``grpc.aio`` on uvloop, the servicer generated in ``xds-protos``, one
   async-generator ``Process`` per stream reading ``async for message in requests``;
-- the same server options (``extproc.server.server_options``) and the same "continue"
-  answers (``extproc.responses.continue_phase``).
+- the same server options (``extproc.gateway.server.server_options``) and the same "continue"
+  answers (``extproc.gateway.responses.continue_phase``).
 
-Envoy is configured exactly as for ``extproc serve`` (``extproc.envoyconf``, in either
+Envoy is configured exactly as for ``extproc serve`` (``extproc.gateway.envoyconf``, in either
 processing mode: one trip, a clean request's body alone with its headers as attributes; or two
 trips, headers then body; every response phase skipped), so each request costs the same round
 trips as it would with ``extproc serve`` and the stream stays open until the request ends.
@@ -29,8 +29,8 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.responses import continue_phase
-from extproc.server import server_options
+from extproc.gateway.responses import continue_phase
+from extproc.gateway.server import server_options
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # extproc.config's default max_body_bytes
 

@@ -3,8 +3,8 @@
 The do-no-harm rule (``extproc.sim.evaluate.harm``) sets the default's goodput against the
 better of naive slot counting and the saturation detector, and neither of those knows a
 priority or a tenant. On the ``priority`` and ``noisy-neighbour`` families the default keeps
-room for critical requests and for the tenant under its share (``extproc.share``); this runs
-each cell as drawn and again with every request's priority and tenant cleared (the same jobs,
+room for critical requests and for the tenant under its share (``extproc.decision.share``); this
+runs each cell as drawn and again with every request's priority and tenant cleared (the same jobs,
 the same seed), side by side, so a loss that is the protection's price shows as the gap between
 the two, and what it buys as the protected group's completions in time.
 

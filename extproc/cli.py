@@ -15,14 +15,14 @@ from pathlib import Path
 from types import ModuleType
 
 from extproc import config as config_mod
-from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
+from extproc.fleet.engine import PRESETS, EngineModel
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DISTRIBUTION = "envoy-llm-admission"  # the package's name on an index (pyproject.toml says why)
 DEFAULT_PRESET = "llama-70b-fp8-2xh100"
 
-# fake-backend's flag for each EngineModel field (docstring of extproc.engine): its help, and
+# fake-backend's flag for each EngineModel field (docstring of extproc.fleet.engine): its help, and
 # the fields whose bound is >= 1 (the others are >= 0). EngineModel checks the same bounds;
 # checking them at the flag as well names the flag in one usage line.
 ENGINE_HELP = {
@@ -56,16 +56,17 @@ def _load_config(path: str | None) -> config_mod.Config:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from extproc import logs, server
+    from extproc.gateway import server
+    from extproc.observability import logs
 
     logs.setup(args.log_level)
     config = _load_config(args.config)
     if args.worker_index is not None:
-        from extproc.workers import worker_config
+        from extproc.gateway.workers import worker_config
 
         config = worker_config(config, args.worker_index)
     elif args.workers != 1:
-        from extproc.workers import supervise
+        from extproc.gateway.workers import supervise
 
         return supervise(config, args.workers, args.config, args.log_level)
     try:
@@ -79,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _fake_backend(args: argparse.Namespace) -> int:
-    from extproc import logs
+    from extproc.observability import logs
 
     fakebackend = _dev_tool("fakebackend")
     logs.setup(args.log_level)
@@ -101,8 +102,8 @@ def _fake_backend(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from extproc import envoyconf
-    from extproc.workers import shifted
+    from extproc.gateway import envoyconf
+    from extproc.gateway.workers import shifted
 
     config = _load_config(args.config)
     backends = tuple(args.backend or [("127.0.0.1", 8000)])
@@ -162,7 +163,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _error_status(value: str) -> int:
-    from extproc import envoyconf
+    from extproc.gateway import envoyconf
 
     if not value.isdigit():
         raise argparse.ArgumentTypeError(f"not an HTTP status code: {value!r}")
@@ -298,7 +299,7 @@ def parser() -> argparse.ArgumentParser:
                    help="YAML configuration file (defaults apply without one)")
     s.add_argument("--workers", type=_count, default=1,
                    help="server processes, one endpoint each (ports listen+i; needs the redis"
-                        " ledger): see extproc.workers")
+                        " ledger): see extproc.gateway.workers")
     s.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     s.set_defaults(func=_serve)
 
@@ -308,7 +309,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--replicas", type=_count, default=1,
                    help="engines behind the one port (a request joins the least busy)")
     f.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
-                   help="the engine model the flags below change (extproc.engine)")
+                   help="the engine model the flags below change (extproc.fleet.engine)")
     for field in dataclasses.fields(EngineModel):
         flag = "--" + field.name.replace("_", "-")
         what = ENGINE_HELP.get(field.name)  # a field without one fails tests/test_cli.py

@@ -10,7 +10,7 @@ the backends drained (``vllm:num_requests_running`` and ``..._waiting`` at 0).
 The setup, and why the difference is structural rather than luck:
 
 - Fleet: ``BACKENDS`` fake replicas running vLLM's scheduler in real time, each the default
-  engine (``extproc.engine``, Llama-3.3-70B FP8 on 2xH100) with ``max_num_seqs`` 16: a step
+  engine (``extproc.fleet.engine``, Llama-3.3-70B FP8 on 2xH100) with ``max_num_seqs`` 16: a step
   of ``b`` decodes at context ``c`` takes ``itl(b, c) = 18.2 + b (0.4 + 7e-5 c)`` ms (18.6 ms
   at 1, ~26 ms at 16), prefill 0.08 ms a prompt token plus its attention. Envoy balances by
   least requests.
@@ -86,7 +86,7 @@ from typing import Any, TextIO
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.config import Pool
-from extproc.engine import LLAMA_70B_FP8_2XH100
+from extproc.fleet.engine import LLAMA_70B_FP8_2XH100
 from extproc.sim.report import Progress
 from extproc_dev import loadgen
 from extproc_dev.fakebackend import engine_flags

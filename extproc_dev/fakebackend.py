@@ -1,7 +1,7 @@
 """A fake OpenAI-compatible inference server whose timing is the project's engine model.
 
 It stands in for vLLM in tests, the demo and benchmarks. Each replica is one ``Engine``: the
-scheduler of ``extproc.engine`` (vLLM V1's rules: a token budget per step, chunked prefill, KV
+scheduler of ``extproc.fleet.engine`` (vLLM V1's rules: a token budget per step, chunked prefill, KV
 blocks allocated as sequences grow, preemption by recomputation) run in real time: a step
 sleeps its ``step_ms`` times ``time_scale`` to an absolute deadline (timer granularity, ~1 ms,
 does not add up at a small ``time_scale``), then every sequence that completed its prompt gets
@@ -52,8 +52,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import generate_latest
 
-from extproc.engine import EngineModel, Scheduler, Sequence
 from extproc.errors import BadRequest
+from extproc.fleet.engine import EngineModel, Scheduler, Sequence
 
 TOKEN_TEXT = " tok"
 DEFAULT_MAX_TOKENS = 256
@@ -83,7 +83,7 @@ class Request(Sequence):
 
 
 class Engine:
-    """One replica: ``extproc.engine.Scheduler`` stepped in real time."""
+    """One replica: ``extproc.fleet.engine.Scheduler`` stepped in real time."""
 
     def __init__(self, model: EngineModel, time_scale: float = 1.0) -> None:
         if time_scale < 0:

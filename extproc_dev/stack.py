@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from extproc import config as config_mod
-from extproc import envoyconf
+from extproc.gateway import envoyconf
 
 # Ports for the processes we start come from below Linux's ephemeral range (32768-60999 by
 # default), from which every outgoing connection takes its local port: a port the kernel hands

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.server import Service
+from extproc.gateway.server import Service
 from extproc_dev.stack import LocalStack
 from tests.extproc_client import Stream
 

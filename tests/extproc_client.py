@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import config
-from extproc.server import Service
+from extproc.gateway.server import Service
 
 CHAT = "/v1/chat/completions"
 

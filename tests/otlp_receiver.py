@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from extproc._proto import otlp_trace_pb2 as pb
-from extproc.otlp import EXPORT_METHOD
+from extproc.observability.otlp import EXPORT_METHOD
 from extproc_dev.stack import free_port
 
 

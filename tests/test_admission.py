@@ -1,4 +1,5 @@
-"""The decision (extproc.admission): the docstring's formula, case by case and as properties."""
+"""The decision (extproc.decision.admission): the docstring's formula, case by case and as
+properties."""
 
 import dataclasses
 import math
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.admission import (
+from extproc.decision.admission import (
     Capacity,
     Cost,
     Mix,
@@ -18,7 +19,7 @@ from extproc.admission import (
     decide,
     release_quantile,
 )
-from extproc.engine import EngineModel
+from extproc.fleet.engine import EngineModel
 
 ENGINE = EngineModel(max_num_seqs=4, max_num_batched_tokens=512, block_size=16,
                      num_gpu_blocks=0, step_base_ms=20.0, ms_per_token=0.1, ms_per_seq=1.0,

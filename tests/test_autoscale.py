@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.autoscale import (
+from extproc.errors import ConfigError
+from extproc.scaling.autoscale import (
     Direction,
     Reading,
     Reason,
@@ -21,7 +22,6 @@ from extproc.autoscale import (
     drain_step,
     lost_share,
 )
-from extproc.errors import ConfigError
 
 W = 15.0  # seconds per control window
 # Clients that never retry a 429: every rejected attempt is a lost request, so the rejection

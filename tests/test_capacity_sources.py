@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from extproc.capacity import (
+from extproc.config import Pool
+from extproc.errors import ConfigError
+from extproc.fleet.capacity import (
     EnvoyAdminCapacity,
     Freshness,
     KubernetesCapacity,
@@ -23,9 +25,7 @@ from extproc.capacity import (
     endpoint_slices,
     envoy_hosts,
 )
-from extproc.config import Pool
-from extproc.engine import EngineModel
-from extproc.errors import ConfigError
+from extproc.fleet.engine import EngineModel
 from extproc_dev.stack import LocalStack, free_port
 from tests.conftest import pool
 

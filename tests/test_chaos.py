@@ -34,11 +34,11 @@ import pytest
 from redis import Redis
 
 from extproc import config
-from extproc.admission import Outcome
-from extproc.capacity import StaticCapacity
-from extproc.gate import Gate
+from extproc.decision.admission import Outcome
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway.gate import Gate
 from extproc.ledger.memory import MemoryLedger
-from extproc.metrics import Metrics
+from extproc.observability.metrics import Metrics
 from extproc_dev.stack import LocalStack, scrape
 from tests.redis_server import RedisServer
 from tests.test_redis_stack import HeldStream

@@ -51,7 +51,7 @@ def test_keys_of_the_first_cost_model_say_where_they_went() -> None:
     with pytest.raises(ConfigError) as err:
         config.from_mapping({"pools": [{"name": "a", "max_running": 8, "replicas": -1}]})
     assert err.value.problems == [
-        "pools[0].max_running: moved to engine.max_num_seqs (see extproc.engine)",
+        "pools[0].max_running: moved to engine.max_num_seqs (see extproc.fleet.engine)",
         "pools[0].replicas: must be >= 0 (got -1)"]
 
 

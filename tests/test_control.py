@@ -11,16 +11,16 @@ import pytest
 
 from extproc._proto import externalscaler_pb2 as kpb
 from extproc._proto import externalscaler_pb2_grpc as kpb_grpc
-from extproc.admission import Outcome, Reason
-from extproc.autoscale import Direction, ScalingPolicy
-from extproc.capacity import StaticCapacity
 from extproc.config import Pool
-from extproc.control import Control
-from extproc.engine import EngineModel
-from extproc.keda import metric_name
-from extproc.metrics import Metrics
-from extproc.running import Running
-from extproc.verdict import Ticket, Verdict
+from extproc.decision.admission import Outcome, Reason
+from extproc.decision.running import Running
+from extproc.fleet.capacity import StaticCapacity
+from extproc.fleet.engine import EngineModel
+from extproc.gateway.verdict import Ticket, Verdict
+from extproc.observability.metrics import Metrics
+from extproc.scaling.autoscale import Direction, ScalingPolicy
+from extproc.scaling.control import Control
+from extproc.scaling.keda import metric_name
 from tests.extproc_client import Stream, admit_one, body, chat, headers, serving
 
 

@@ -1,5 +1,5 @@
 """Counting prompt tokens fast: the per-text cache, the calibrated estimate for long cold
-prompts, and the exact correction of the ledger afterwards (``extproc.gate`` docstring)."""
+prompts, and the exact correction of the ledger afterwards (``extproc.gateway.gate`` docstring)."""
 
 import asyncio
 import json
@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 
 from extproc import config
-from extproc.capacity import StaticCapacity
-from extproc.estimate import Calibration, TokenizerCounter, prompt_tokens
-from extproc.gate import Gate
+from extproc.decision.step import Ask, charge_of
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway.gate import Gate
+from extproc.gateway.request import parse
 from extproc.ledger.memory import MemoryLedger
-from extproc.metrics import Metrics
-from extproc.pricing import COUNT_WAIT_S, ESTIMATE_CHARS, MAX_PENDING_COUNTS
-from extproc.request import parse
-from extproc.step import Ask, charge_of
+from extproc.observability.metrics import Metrics
+from extproc.tokens.estimate import Calibration, TokenizerCounter, prompt_tokens
+from extproc.tokens.pricing import COUNT_WAIT_S, ESTIMATE_CHARS, MAX_PENDING_COUNTS
 
 WORDS = ("the", "patient", "reports", "mild", "pain", "after", "surgery", "and", "asks",
          "whether", "the", "dose", "should", "change;", "summarize", "the", "history,", "list",

@@ -1,6 +1,6 @@
 """Defer: the queue's order and bounds (pure), and the gate holding a request until it fits,
 refusing it when its hold ends or its pool holds all it may, letting go of it when its client
-leaves, and answering every held request when it drains (``extproc.defer``)."""
+leaves, and answering every held request when it drains (``extproc.decision.defer``)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 
 from extproc import config
-from extproc.admission import Outcome, Reason
-from extproc.autoscale import ScalingPolicy
-from extproc.capacity import StaticCapacity
-from extproc.control import Control
-from extproc.defer import PASSED_OVER, Queue, Waiter, predicted_wait_ms
-from extproc.gate import Gate
-from extproc.metrics import Metrics
-from extproc.server import build_ledger
+from extproc.decision.admission import Outcome, Reason
+from extproc.decision.defer import PASSED_OVER, Queue, Waiter, predicted_wait_ms
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway.gate import Gate
+from extproc.gateway.server import build_ledger
+from extproc.gateway.verdict import Verdict
+from extproc.observability.metrics import Metrics
+from extproc.scaling.autoscale import ScalingPolicy
+from extproc.scaling.control import Control
 from extproc.sim import families, policies
 from extproc.sim.run import simulate
-from extproc.verdict import Verdict
 from tests.redis_server import RedisServer
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from extproc.server import SERVICE_NAME
+from extproc.gateway.server import SERVICE_NAME
 from tests.conftest import pool
 from tests.traffic import Ask, Traffic, count, figures, health, wait_until
 

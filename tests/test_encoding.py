@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from extproc import config
 from extproc.config import ContentEncoding
-from extproc.encoding import Coding, coding, decode
 from extproc.errors import BadRequest, BodyTooLarge, ConfigError, UnsupportedMedia
+from extproc.gateway.encoding import Coding, coding, decode
 
 GZIP = Coding("gzip")
 DEFLATE = Coding("deflate")

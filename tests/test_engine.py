@@ -1,4 +1,4 @@
-"""The engine model: vLLM V1's scheduling rules and the step-time formula (extproc.engine)."""
+"""The engine model: vLLM V1's scheduling rules and the step-time formula (extproc.fleet.engine)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.engine import (
+from extproc.fleet.engine import (
     LLAMA_8B_1XH100,
     LLAMA_70B_FP8_2XH100,
     EngineModel,

@@ -23,15 +23,15 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import config
-from extproc.admission import Snapshot
-from extproc.capacity import StaticCapacity
-from extproc.enginestats import EngineStats
+from extproc.decision.admission import Snapshot
 from extproc.errors import ConfigError
-from extproc.gate import Gate
+from extproc.fleet.capacity import StaticCapacity
+from extproc.fleet.enginestats import EngineStats
+from extproc.gateway.gate import Gate
+from extproc.gateway.server import Service
 from extproc.ledger import Cap, Entry
 from extproc.ledger.memory import MemoryLedger
-from extproc.metrics import Metrics
-from extproc.server import Service
+from extproc.observability.metrics import Metrics
 from extproc_dev.stack import LocalStack, Process, free_port, scrape, wait_http
 from tests.extproc_client import Stream, body, chat, headers, serving
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.admission import Snapshot
-from extproc.enginestats import (
+from extproc.decision.admission import Snapshot
+from extproc.fleet.enginestats import (
     EngineSample,
     EngineStats,
     PoolStats,

@@ -23,8 +23,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 
-from extproc import config, envoyconf
-from extproc.request import REQUEST_TIME, header_attribute, headers_from_attributes
+from extproc import config
+from extproc.gateway import envoyconf
+from extproc.gateway.request import REQUEST_TIME, header_attribute, headers_from_attributes
 from extproc_dev.stack import envoy_binary, free_port, wait_http
 
 pytestmark = pytest.mark.integration

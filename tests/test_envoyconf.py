@@ -7,7 +7,8 @@ from envoy_data_plane.envoy.config.bootstrap.v3 import Bootstrap
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingMode
 from pydantic import ValidationError
 
-from extproc import config, envoyconf
+from extproc import config
+from extproc.gateway import envoyconf
 from extproc_dev.stack import envoy_binary
 
 pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)

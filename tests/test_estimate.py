@@ -3,10 +3,10 @@ import asyncio
 import pytest
 
 from extproc.config import Pool
-from extproc.estimate import ByteCounter, TokenizerCounter, counter_for, prompt_tokens
-from extproc.learning import learning_for
-from extproc.request import InferenceRequest
-from extproc.step import Ask, cost_of
+from extproc.decision.learning import learning_for
+from extproc.decision.step import Ask, cost_of
+from extproc.gateway.request import InferenceRequest
+from extproc.tokens.estimate import ByteCounter, TokenizerCounter, counter_for, prompt_tokens
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_requests_deciding_together_are_counted_in_one_batch(llama3_tokenizer: s
     and a text the tokenizer refuses fails its own request only. (The batch thread is for a
     tokenizer counted by its own call: ``pieces=False`` stands for one.)"""
     from extproc.errors import RequestError
-    from extproc.pricing import Batches
+    from extproc.tokens.pricing import Batches
 
     counter = TokenizerCounter(llama3_tokenizer, pieces=False)
     alone = TokenizerCounter(llama3_tokenizer)
@@ -106,10 +106,10 @@ def test_a_decision_alone_counts_on_the_loop_others_share_the_batch_thread(
     """pricing.OFFLOAD_WHEN_DECIDING: with no other decision under way the trip to the thread
     buys nothing, so the count is taken where the decision runs; with others deciding, it
     goes to the batch thread. The count is the same either way. A tokenizer counted a piece at
-    a time (extproc.pieces: Llama 3's) always counts where the decision runs."""
+    a time (extproc.tokens.pieces: Llama 3's) always counts where the decision runs."""
     from extproc import config
-    from extproc.metrics import Metrics
-    from extproc.pricing import Pricing
+    from extproc.observability.metrics import Metrics
+    from extproc.tokens.pricing import Pricing
 
     cfg = config.from_mapping({"pools": [{"name": "llama", "models": ["*"],
                                           "tokenizer": llama3_tokenizer}]})

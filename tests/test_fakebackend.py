@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.engine import EngineModel
+from extproc.fleet.engine import EngineModel
 from extproc_dev.fakebackend import build_app, serve
 
 Client = TestClient[web.Request, web.Application]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from extproc.sim import families, scenarios
-from extproc.workload import Job
+from extproc.sim.workload import Job
 
 AVAILABLE = [f for f in families.FAMILIES if families.missing(f) is None]
 SMALL = 0.3  # run size: enough jobs to check, quick to draw

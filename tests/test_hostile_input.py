@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import config
-from extproc.server import Service
+from extproc.gateway.server import Service
 from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 from tests.extproc_client import Stream, body, headers, serving

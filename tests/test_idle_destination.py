@@ -1,5 +1,6 @@
 """Work conservation per replica, in the running service: real fake-backend processes, a real
-``Service`` and its gRPC ext_proc stream (``extproc.enginestats``, ``extproc.level.measured``).
+``Service`` and its gRPC ext_proc stream (``extproc.fleet.enginestats``,
+``extproc.decision.level.measured``).
 
 The pool: two replicas; its ledger holds 800 s of other work, so the model refuses every
 request (its first token is minutes away). An endpoint picker in front of the gateway names
@@ -18,10 +19,11 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import config, envoyconf
-from extproc.enginestats import DESTINATION_KEY, DESTINATION_NAMESPACE
+from extproc import config
+from extproc.fleet.enginestats import DESTINATION_KEY, DESTINATION_NAMESPACE
+from extproc.gateway import envoyconf
+from extproc.gateway.server import destination_of
 from extproc.ledger import Entry
-from extproc.server import destination_of
 from tests.extproc_client import Stream, body, chat, headers, serving
 from tests.test_engine_correction import (
     bypassing,

@@ -15,8 +15,8 @@ import pytest
 
 from extproc._proto import externalscaler_pb2 as pb
 from extproc._proto import externalscaler_pb2_grpc as pb_grpc
-from extproc.autoscale import Direction, Reading, Reason, Recommendation
-from extproc.keda import ExternalScaler, add_to_server, metric_name
+from extproc.scaling.autoscale import Direction, Reading, Reason, Recommendation
+from extproc.scaling.keda import ExternalScaler, add_to_server, metric_name
 
 pytestmark = pytest.mark.integration  # starts processes (Envoy, extproc, helm, an interpreter)
 

@@ -1,12 +1,13 @@
-"""What pools learn (extproc.learning): the promise's feedback loop and interactive demand."""
+"""What pools learn (extproc.decision.learning): the promise's feedback loop and interactive
+demand."""
 
 import math
 import random
 
 import pytest
 
-from extproc.learning import Q_HIGH, Q_LOW, Q_START, Demand, PoolLearning, Promise
-from extproc.running import Running
+from extproc.decision.learning import Q_HIGH, Q_LOW, Q_START, Demand, PoolLearning, Promise
+from extproc.decision.running import Running
 
 
 def run(promise: Promise, rounds: int, rng: random.Random, told: float = 1.0,

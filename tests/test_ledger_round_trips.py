@@ -15,15 +15,16 @@ from typing import Any
 
 import pytest
 
-from extproc import config, leases
-from extproc.admission import Outcome, Reason
-from extproc.capacity import StaticCapacity
+from extproc import config
+from extproc.decision.admission import Outcome, Reason
 from extproc.errors import LedgerUnavailable
-from extproc.gate import Gate
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway import leases
+from extproc.gateway.gate import Gate
+from extproc.gateway.tenant import Tenant
 from extproc.ledger import Entry
 from extproc.ledger.redis import RedisLedger
-from extproc.metrics import Metrics
-from extproc.tenant import Tenant
+from extproc.observability.metrics import Metrics
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

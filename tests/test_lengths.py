@@ -1,11 +1,12 @@
-"""A pool's output lengths (extproc.lengths): the prior, learning, censoring, forgetting."""
+"""A pool's output lengths (extproc.decision.lengths): the prior, learning, censoring,
+forgetting."""
 
 import math
 import random
 
 import pytest
 
-from extproc.lengths import PRIOR_SAMPLES, Lengths, Prior, decay_factor
+from extproc.decision.lengths import PRIOR_SAMPLES, Lengths, Prior, decay_factor
 
 
 def lognormal(rng: random.Random, n: int, mu: float, sigma: float) -> list[float]:

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from extproc.engine import EngineModel
+from extproc.fleet.engine import EngineModel
 from extproc_dev import loadgen
 from extproc_dev.fakebackend import build_app
 from extproc_dev.loadgen import Lengths, Planned, Result, Workload, percentile, summarize

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import pytest
 
 from extproc import config
-from extproc.capacity import StaticCapacity
-from extproc.gate import Gate
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway.gate import Gate
 from extproc.ledger.memory import MemoryLedger
-from extproc.logs import JsonFormatter
-from extproc.metrics import Metrics
-from extproc.telemetry import Tracing
+from extproc.observability.logs import JsonFormatter
+from extproc.observability.metrics import Metrics
+from extproc.observability.telemetry import Tracing
 from tests.otlp_receiver import Receiver
 
 CANARY = "CANARY-LOG-41f7"

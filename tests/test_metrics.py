@@ -1,6 +1,7 @@
-"""Metric children found again without prometheus_client's per-call work (extproc.metrics)."""
+"""Metric children found again without prometheus_client's per-call work
+(extproc.observability.metrics)."""
 
-from extproc.metrics import Metrics
+from extproc.observability.metrics import Metrics
 
 
 def test_a_label_child_is_remembered_and_still_exported() -> None:
@@ -19,7 +20,7 @@ def test_a_label_child_is_remembered_and_still_exported() -> None:
 def test_the_measured_level_is_scraped_in_seconds_per_replica() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from extproc.learning import PoolLearning
+    from extproc.decision.learning import PoolLearning
 
     metrics = Metrics()
     learning = PoolLearning()

@@ -2,9 +2,9 @@
 
 Each test drives the one admission protocol the gateway and the simulator share: ``arrived``,
 the read-only ``admit``, ``admitted`` for what runs, ``settled`` when its stream ends and
-``refresh`` when deadlines come (``extproc.learning``, ``extproc.step``), on a pool whose
-learned lengths are bimodal (four answers in five of 20 tokens, one of 1,500): the promise's
-quantile is the long answer, which the model says cannot finish beside others.
+``refresh`` when deadlines come (``extproc.decision.learning``, ``extproc.decision.step``), on a
+pool whose learned lengths are bimodal (four answers in five of 20 tokens, one of 1,500): the
+promise's quantile is the long answer, which the model says cannot finish beside others.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import random
 import pytest
 
 from extproc import config as config_mod
-from extproc.admission import Outcome, Reason, Snapshot
-from extproc.enginestats import Correction
-from extproc.learning import PoolLearning, learning_for
-from extproc.level import BACKOFF, Level
-from extproc.rules import Rules
-from extproc.running import Running
-from extproc.share import CRITICAL, SHEDDABLE
+from extproc.decision.admission import Outcome, Reason, Snapshot
+from extproc.decision.learning import PoolLearning, learning_for
+from extproc.decision.level import BACKOFF, Level
+from extproc.decision.rules import Rules
+from extproc.decision.running import Running
+from extproc.decision.share import CRITICAL, SHEDDABLE
+from extproc.decision.step import Admission, Ask, admit, capacity_for, longest_alone, running_of
+from extproc.fleet.enginestats import Correction
 from extproc.sim import families, policies
 from extproc.sim.run import Simulation
-from extproc.step import Admission, Ask, admit, capacity_for, longest_alone, running_of
-from extproc.workload import Job
+from extproc.sim.workload import Job
 
 R = 4  # replicas
 SLOTS = 16

@@ -64,8 +64,8 @@ async def test_with_defer_a_burst_beyond_the_slots_is_held_past_envoys_timeout(
         stack_factory: Any) -> None:
     # Four slots, 6 s deadlines, 48 concurrent calls of the official SDK with its retries
     # off: more than the deadline lets the engine queue, so the gateway holds the rest
-    # (extproc.defer) and sends them as slots free, some after more than Envoy's 2 s message
-    # timeout (each held request extends it). Every call gets its answer or, held until its
+    # (extproc.decision.defer) and sends them as slots free, some after more than Envoy's 2 s
+    # message timeout (each held request extends it). Every call gets its answer or, held until its
     # deadline could no longer be met, a 429: never Envoy's 504.
     stack: LocalStack = stack_factory(
         {"pools": [pool(replicas=1, max_num_seqs=4)],

@@ -1,4 +1,5 @@
-"""The sidecar's own OTLP messages and exporter (extproc/otlp.py, proto/otlp_trace.proto)."""
+"""The sidecar's own OTLP messages and exporter (extproc/observability/otlp.py,
+proto/otlp_trace.proto)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from extproc._proto import otlp_trace_pb2 as pb
-from extproc.otlp import OtlpSpanExporter, channel_target, encode
+from extproc.observability.otlp import OtlpSpanExporter, channel_target, encode
 from extproc_dev.stack import free_port
 from tests.otlp_receiver import Receiver
 

@@ -1,6 +1,6 @@
 """Output lengths learned in production: the engines' ``vllm:request_generation_tokens``
-histogram, scraped, feeds each pool's ``Lengths`` (extproc.enginestats, extproc.lengths), and
-the gate's costs carry what it learned."""
+histogram, scraped, feeds each pool's ``Lengths`` (extproc.fleet.enginestats,
+extproc.decision.lengths), and the gate's costs carry what it learned."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import config
-from extproc.capacity import StaticCapacity
-from extproc.enginestats import EngineStats, histogram_increase, parse
+from extproc.decision.lengths import Lengths, Prior, decay_factor
 from extproc.errors import ConfigError
-from extproc.gate import Gate
+from extproc.fleet.capacity import StaticCapacity
+from extproc.fleet.enginestats import EngineStats, histogram_increase, parse
+from extproc.gateway.gate import Gate
 from extproc.ledger.memory import MemoryLedger
-from extproc.lengths import Lengths, Prior, decay_factor
-from extproc.metrics import Metrics
+from extproc.observability.metrics import Metrics
 from extproc_dev.fakebackend import TOKEN_BUCKETS
 from extproc_dev.stack import Process, free_port, wait_http
 from tests.extproc_client import chat

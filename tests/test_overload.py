@@ -2,7 +2,7 @@
 Envoy (fail-closed), every request still gets an honest answer within its deadline and none
 hangs; when the overload ends, prompt decisions come back (how long that takes is printed).
 While bodies wait for the processor longer than ``shed_wait_ms`` it answers 429
-``processor_overloaded`` unparsed (``extproc.server``); what still waits past Envoy's
+``processor_overloaded`` unparsed (``extproc.gateway.server``); what still waits past Envoy's
 ``message_timeout`` gets Envoy's 504.
 
 The processor is made the bottleneck on purpose: prompts of ~6,800 tokens of random Han
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 DEADLINE_MS = 8_000.0
 SECONDS = 3.0  # of offered load at each level
 HONEST = {"200", "429", "503", "504"}
-# 4,000 Han characters, ~6,800 Llama 3 tokens: under extproc.pricing.ESTIMATE_CHARS, so every
+# 4,000 Han characters, ~6,800 Llama 3 tokens: under extproc.tokens.pricing.ESTIMATE_CHARS, so every
 # prompt is counted before its decision (~2.5 ms of the processor's CPU)
 ASK = Ask(prompt_tokens=4_000, max_tokens=64, output_tokens=8, deadline_ms=DEADLINE_MS,
           han=True)

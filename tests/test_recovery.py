@@ -18,16 +18,16 @@ from collections.abc import Sequence
 import pytest
 
 from extproc import config
-from extproc.admission import Reason, Snapshot
-from extproc.capacity import StaticCapacity
+from extproc.decision.admission import Reason, Snapshot
 from extproc.errors import LedgerUnavailable
-from extproc.gate import Gate
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway.gate import Gate
+from extproc.gateway.localview import View
+from extproc.gateway.tenant import Tenant
+from extproc.gateway.verdict import Ticket, Verdict
 from extproc.ledger import Cap, Entry
 from extproc.ledger.memory import MemoryLedger
-from extproc.localview import View
-from extproc.metrics import Metrics
-from extproc.tenant import Tenant
-from extproc.verdict import Ticket, Verdict
+from extproc.observability.metrics import Metrics
 
 
 class SwitchedLedger(MemoryLedger):

@@ -19,8 +19,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import config
+from extproc.gateway.server import LEDGER_SERVICE, SERVICE_NAME, Service
 from extproc.ledger.redis import RedisLedger
-from extproc.server import LEDGER_SERVICE, SERVICE_NAME, Service
 from extproc_dev.stack import free_port
 from tests.extproc_client import Stream, body, chat, headers
 from tests.redis_server import RedisServer

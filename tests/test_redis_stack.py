@@ -22,11 +22,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import config
-from extproc.admission import Outcome
-from extproc.capacity import StaticCapacity
-from extproc.gate import Gate
+from extproc.decision.admission import Outcome
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway.gate import Gate
 from extproc.ledger.memory import MemoryLedger
-from extproc.metrics import Metrics
+from extproc.observability.metrics import Metrics
 from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 from tests.redis_server import RedisServer, poll

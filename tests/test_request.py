@@ -6,7 +6,7 @@ import pytest
 
 from extproc.config import Api
 from extproc.errors import BadRequest, UnsupportedMedia
-from extproc.request import check_content_type, parse
+from extproc.gateway.request import check_content_type, parse
 
 
 def body(doc: Any) -> bytes:

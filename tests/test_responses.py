@@ -9,10 +9,10 @@ import random
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.admission import Reason
 from extproc.config import RetryAfter
-from extproc.responses import overloaded, retry_after_s
-from extproc.retry import retry_delay_ms
+from extproc.decision.admission import Reason
+from extproc.gateway.responses import overloaded, retry_after_s
+from extproc.gateway.retry import retry_delay_ms
 
 DEFAULT = RetryAfter()  # min_s 1, max_s 60, jitter 0.5
 

@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import config
-from extproc.server import SERVICE_NAME, Service
+from extproc.gateway.server import SERVICE_NAME, Service
 from extproc_dev.stack import scrape
 from tests.extproc_client import Stream, admit_one, body, chat, headers, serving
 
@@ -192,10 +192,10 @@ async def test_health_serves_then_turns_not_serving_on_drain(service: Service) -
 def one_trip(doc: Any, path: str = "/v1/chat/completions", began_s_ago: float = 0.0,
              **extra: str) -> pb.ProcessingRequest:
     """A body as Envoy's one-trip route sends it: no headers phase, the headers we read as
-    attributes (extproc.envoyconf._attributes), and the request's start."""
+    attributes (extproc.gateway.envoyconf._attributes), and the request's start."""
     import datetime as dt
 
-    from extproc.request import ATTRIBUTES_KEY, REQUEST_TIME, header_attribute
+    from extproc.gateway.request import ATTRIBUTES_KEY, REQUEST_TIME, header_attribute
 
     message = body(doc)
     began = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=began_s_ago)

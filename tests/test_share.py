@@ -1,5 +1,5 @@
-"""Priorities and fair shares: the pure rules (extproc.share), the admission step's use of
-them (extproc.step), and what they do to simulated traffic (extproc.sim)."""
+"""Priorities and fair shares: the pure rules (extproc.decision.share), the admission step's use of
+them (extproc.decision.step), and what they do to simulated traffic (extproc.sim)."""
 
 import dataclasses
 import math
@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from extproc import config as config_mod
-from extproc.admission import Outcome, Reason, Snapshot
 from extproc.config import TenantConfig
-from extproc.contention import _kept
-from extproc.learning import learning_for
-from extproc.rules import Rules
-from extproc.running import Running
-from extproc.share import (
+from extproc.decision.admission import Outcome, Reason, Snapshot
+from extproc.decision.contention import _kept
+from extproc.decision.learning import learning_for
+from extproc.decision.rules import Rules
+from extproc.decision.running import Running
+from extproc.decision.share import (
     CRITICAL,
     SHEDDABLE,
     STANDARD,
@@ -26,10 +26,10 @@ from extproc.share import (
     tenant_of,
     water_level,
 )
+from extproc.decision.step import Ask, admit, priority_of
 from extproc.sim import policies
 from extproc.sim.families import draw
 from extproc.sim.run import simulate
-from extproc.step import Ask, admit, priority_of
 
 
 @pytest.mark.parametrize(("raw", "level"), [
@@ -260,7 +260,7 @@ def test_critical_goodput_under_3x_overload_is_its_offered_load(fleet: str,
 
 
 def test_the_limit_s_spread_is_measured_not_assumed() -> None:
-    from extproc.learning import Spread
+    from extproc.decision.learning import Spread
 
     steady, swinging = Spread(), Spread()
     for i in range(2000):
@@ -272,9 +272,9 @@ def test_the_limit_s_spread_is_measured_not_assumed() -> None:
 
 @pytest.mark.parametrize("n", [0, 5, 40, 120])
 def test_the_admission_limit_is_found_from_any_hint(n: int) -> None:
-    from extproc.admission import Cost
-    from extproc.contention import admission_limit
-    from extproc.step import capacity_for, class_policy
+    from extproc.decision.admission import Cost
+    from extproc.decision.contention import admission_limit
+    from extproc.decision.step import capacity_for, class_policy
 
     config = settings()
     pool, rules = config.pools[0], Rules.of(config)

@@ -1,4 +1,4 @@
-"""Shedding while the processor itself is the queue (``extproc.server`` docstring)."""
+"""Shedding while the processor itself is the queue (``extproc.gateway.server`` docstring)."""
 
 import asyncio
 import time
@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import config
-from extproc.server import Delay, Service
+from extproc.gateway.server import Delay, Service
 from tests.extproc_client import Stream, body, chat, headers
 
 STUCK_S = 0.3

@@ -1,5 +1,5 @@
-"""The recommender (``extproc.autoscale``) in the simulated fleet, judged by the promotion rules
-of issue 5, on seeded deterministic runs with admission on (the default policy):
+"""The recommender (``extproc.scaling.autoscale``) in the simulated fleet, judged by the promotion
+rules of issue 5, on seeded deterministic runs with admission on (the default policy):
 
 (a) it changes direction at most once per cooldown period;
 (b) under 1% of eligible (admitted) attempts breach the queue-age objective outside the first
@@ -44,12 +44,12 @@ from pathlib import Path
 
 import pytest
 
-from extproc.autoscale import Direction, ScalingPolicy
+from extproc.scaling.autoscale import Direction, ScalingPolicy
 from extproc.sim import policies, scenarios
 from extproc.sim.autoscaler import GatewayRecommender
 from extproc.sim.clients import Attempt
 from extproc.sim.run import Scenario, Simulation
-from extproc.workload import Job
+from extproc.sim.workload import Job
 
 pytestmark = pytest.mark.slow  # simulations of more than a few seconds
 

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from extproc.engine import EngineModel, Scheduler, Sequence
+from extproc.fleet.engine import EngineModel, Scheduler, Sequence
 from extproc.sim.clients import Attempt
 from extproc.sim.engine import Replica
-from extproc.workload import Job
+from extproc.sim.workload import Job
 
 MODEL = EngineModel(max_num_seqs=6, max_num_batched_tokens=48, block_size=4, num_gpu_blocks=50,
                     max_model_len=120, step_base_ms=20.0, ms_per_token=0.1, ms_per_seq=2.0,

@@ -46,7 +46,7 @@ def test_refusing_while_a_replica_is_idle_is_counted_in_seconds_of_the_run() -> 
     work lost."""
     import dataclasses
 
-    from extproc.admission import Reason
+    from extproc.decision.admission import Reason
     from extproc.sim import families, policies
     from extproc.sim.run import simulate
 

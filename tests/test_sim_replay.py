@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from extproc import cli, config, decisionlog, workload
-from extproc.admission import Outcome
-from extproc.capacity import StaticCapacity
+from extproc import cli, config
+from extproc.decision.admission import Outcome
 from extproc.errors import ConfigError
-from extproc.gate import Gate
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway.gate import Gate
 from extproc.ledger.memory import MemoryLedger
-from extproc.metrics import Metrics
-from extproc.sim import replay
+from extproc.observability import decisionlog
+from extproc.observability.metrics import Metrics
+from extproc.sim import replay, workload
 
 
 def small_trace(path: Path, n: int = 1500, rate: float = 40.0) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from extproc.sim import policies, scenarios
 from extproc.sim.run import Result, Scenario, simulate
-from extproc.workload import read_azure
+from extproc.sim.workload import read_azure
 
 pytestmark = pytest.mark.slow  # simulations of more than a few seconds
 

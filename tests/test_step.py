@@ -1,16 +1,16 @@
-"""The admission step (extproc.step): what becomes of a request beyond ``decide``."""
+"""The admission step (extproc.decision.step): what becomes of a request beyond ``decide``."""
 
 from typing import Any
 
 import pytest
 
 from extproc import config as config_mod
-from extproc.admission import Outcome, Reason, Snapshot
-from extproc.enginestats import Correction
-from extproc.learning import learning_for
-from extproc.rules import Rules
-from extproc.running import Running
-from extproc.step import Ask, admit
+from extproc.decision.admission import Outcome, Reason, Snapshot
+from extproc.decision.learning import learning_for
+from extproc.decision.rules import Rules
+from extproc.decision.running import Running
+from extproc.decision.step import Ask, admit
+from extproc.fleet.enginestats import Correction
 
 ENGINE = {"max_num_seqs": 4, "max_model_len": 8192, "num_gpu_blocks": 0}
 IDLE = Snapshot(0, 0.0)

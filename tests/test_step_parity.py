@@ -1,6 +1,7 @@
 """The gateway and the simulator take the same decisions: the same requests, clock and capacity
 through ``Gate`` (in-process ledger) and through the simulator's gateway give identical
-verdicts, Retry-After hints and ledger states (extproc.step is the one place they come from)."""
+verdicts, Retry-After hints and ledger states (extproc.decision.step is the one place they come
+from)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,17 @@ from typing import Any
 import pytest
 
 from extproc import config as config_mod
-from extproc.admission import Outcome, Reason, Snapshot
-from extproc.capacity import StaticCapacity
-from extproc.gate import Gate
-from extproc.learning import PoolLearning
+from extproc.decision.admission import Outcome, Reason, Snapshot
+from extproc.decision.learning import PoolLearning
+from extproc.decision.step import Admission
+from extproc.fleet.capacity import StaticCapacity
+from extproc.gateway.gate import Gate
 from extproc.ledger.memory import MemoryLedger
-from extproc.metrics import Metrics
+from extproc.observability.metrics import Metrics
 from extproc.sim.clients import ClientModel
 from extproc.sim.policies import make
 from extproc.sim.run import Scenario, Simulation
-from extproc.step import Admission
-from extproc.workload import Job
+from extproc.sim.workload import Job
 
 SETTINGS: dict[str, Any] = {
     "pools": [{"name": "llm", "replicas": 2, "bytes_per_token": 4.0,

@@ -1,13 +1,13 @@
 import time
 
 from extproc import config as config_mod
-from extproc.admission import Snapshot
 from extproc.config import TracingConfig
-from extproc.learning import learning_for
-from extproc.rules import Rules
-from extproc.step import Ask, admit
-from extproc.telemetry import Tracing, annotate
-from extproc.verdict import Verdict
+from extproc.decision.admission import Snapshot
+from extproc.decision.learning import learning_for
+from extproc.decision.rules import Rules
+from extproc.decision.step import Ask, admit
+from extproc.gateway.verdict import Verdict
+from extproc.observability.telemetry import Tracing, annotate
 from tests.otlp_receiver import Receiver
 
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -41,7 +41,7 @@ def test_decision_span_is_exported_over_otlp_under_the_grpc_parent() -> None:
         tracing.shutdown()
         wait_for_spans(receiver, 1)
     [exported] = receiver.spans
-    assert exported["service"] == "extproc" and exported["name"] == "extproc.admission"
+    assert exported["service"] == "extproc" and exported["name"] == "extproc.decision.admission"
     assert (exported["trace_id"], exported["parent_span_id"]) == (PARENT_TRACE, PARENT_SPAN)
     attrs = exported["attributes"]
     assert attrs["gen_ai.request.model"] == "llama"

@@ -47,10 +47,12 @@ from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Empty
 from google.protobuf import struct_pb2
 
-from extproc import config, decisionlog, envoyconf
+from extproc import config
 from extproc.errors import ConfigError
-from extproc.server import Service
-from extproc.tenant import Fallback, Tenants
+from extproc.gateway import envoyconf
+from extproc.gateway.server import Service
+from extproc.gateway.tenant import Fallback, Tenants
+from extproc.observability import decisionlog
 from extproc_dev.stack import LocalStack
 from tests.conftest import pool
 from tests.extproc_client import Stream, body, chat, headers

@@ -23,11 +23,12 @@ import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc import config, envoyconf
+from extproc import config
 from extproc.config import ServerTls
 from extproc.errors import ConfigError
-from extproc.server import Service
-from extproc.tls import ServerCertificates
+from extproc.gateway import envoyconf
+from extproc.gateway.server import Service
+from extproc.gateway.tls import ServerCertificates
 from extproc_dev.stack import LocalStack, envoy_binary
 from tests.conftest import pool
 from tests.extproc_client import Stream, admit_one

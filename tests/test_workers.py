@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import config
 from extproc.errors import ConfigError
-from extproc.workers import check, shifted, worker_config
+from extproc.gateway.workers import check, shifted, worker_config
 from extproc_dev.stack import free_port, scrape, wait_http
 from tests.redis_server import RedisServer
 from tests.traffic import wait_until

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc import workload
 from extproc.errors import ConfigError
+from extproc.sim import workload
 
 TRACES = Path(__file__).resolve().parent / "data" / "traces"
 CONV = TRACES / "azure-llm-2023-conv.csv.gz"

@@ -59,7 +59,7 @@ class Reply:
         return str(self.status) if self.answered else str(self.error)
 
 
-HAN_PROMPTS = 256  # x ~670 pieces each: more than extproc.pieces.PIECE_CACHE
+HAN_PROMPTS = 256  # x ~670 pieces each: more than extproc.tokens.pieces.PIECE_CACHE
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Ask:
         """A few prompts of ``prompt_tokens`` tokens' worth (made once: it takes a while).
         With ``han``, ``HAN_PROMPTS`` prompts of ``prompt_tokens`` random Han characters, a
         space after every sixth: ~1.7 Llama 3 tokens a character, in more distinct pieces
-        than the processor's piece cache holds (``extproc.pieces``), so sent in turn every
+        than the processor's piece cache holds (``extproc.tokens.pieces``), so sent in turn every
         piece costs a call of the tokenizer's model."""
         if self.han:
             rng = random.Random(f"{seed}:han")

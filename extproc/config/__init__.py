@@ -91,7 +91,7 @@ class Infeasible(StrEnum):
 
 
 class ContentEncoding(StrEnum):
-    """What to do with a compressed request body (``extproc.encoding``)."""
+    """What to do with a compressed request body (``extproc.gateway.encoding``)."""
 
     REFUSE = "refuse"  # 415, naming the coding
     DECODE = "decode"  # gzip / deflate inflated for reading, within max_inflation_ratio
@@ -185,7 +185,7 @@ class RetryAfter:
 
 @dataclass(frozen=True, config=MODEL)
 class DeferConfig:
-    """Holding a refused request until it fits (extproc.defer, docs/defer.md)."""
+    """Holding a refused request until it fits (extproc.decision.defer, docs/defer.md)."""
 
     enabled: Flag = False
     """Hold a request that does not fit now but would after the predicted wait, instead of a
@@ -200,7 +200,7 @@ class DeferConfig:
 @dataclass(frozen=True, config=MODEL)
 class ServerTls:
     """mTLS on ``listen``: clients (Envoy) must present a certificate ``client_ca_file``
-    signed. Files are re-read when they change (extproc.tls)."""
+    signed. Files are re-read when they change (extproc.gateway.tls)."""
 
     cert_file: File
     """The server's certificate (PEM)."""
@@ -326,7 +326,7 @@ class Config:
     """Where ready replicas come from."""
     autoscale: Autoscale = Field(default_factory=AutoscaleConfig)
     """Control window and replica recommender thresholds (docs/autoscaling.md); their bounds
-    are checked by ScalingPolicy (extproc/autoscale.py)."""
+    are checked by ScalingPolicy (extproc/scaling/autoscale.py)."""
     keda_listen: Address | None = None
     """KEDA external scaler gRPC (HOST:PORT); absent: off."""
     tenant: TenantConfig = Field(default_factory=TenantConfig)

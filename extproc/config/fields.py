@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict, Strict, WithJsonSchema
 
 from extproc.config.rules import Rule, problem, within
-from extproc.share import LEVELS, MAX_LEVEL, parse_priority
+from extproc.decision.share import LEVELS, MAX_LEVEL, parse_priority
 
 # Every section: unknown keys are errors; a key with an alias (routes' ``class``) is read by
 # the alias alone, as the schema says; each attribute's docstring is its description.
@@ -42,7 +42,7 @@ def _address(v: str) -> str | None:
 
 def _header(v: str) -> str | None:
     # Lower-case (Envoy sends names lower-cased) and no underscore: Envoy drops headers
-    # with underscores when tenant attribution is on (extproc.envoyconf).
+    # with underscores when tenant attribution is on (extproc.gateway.envoyconf).
     if v and all(c.isascii() and (c.islower() or c.isdigit() or c == "-") for c in v):
         return None
     return "must be a lower-case header name of letters, digits and '-'"

@@ -20,7 +20,6 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 
-from extproc.autoscale import ScalingPolicy
 from extproc.config.fields import (
     MODEL,
     Count,
@@ -35,8 +34,9 @@ from extproc.config.fields import (
     Text,
 )
 from extproc.config.rules import Problem, Rule, Section, early, fail, problem, within
-from extproc.engine import PRESETS, EngineModel
 from extproc.errors import ConfigError
+from extproc.fleet.engine import PRESETS, EngineModel
+from extproc.scaling.autoscale import ScalingPolicy
 
 FROM_CAPACITY = "from_capacity"
 
@@ -75,7 +75,7 @@ Targets = Annotated[
 
 @dataclass(frozen=True, config=MODEL)
 class EngineMetricsConfig:
-    """Scraping a pool's engines for their own queues (``extproc.enginestats``): a correction
+    """Scraping a pool's engines for their own queues (``extproc.fleet.enginestats``): a correction
     to the ledger's view that only ever tightens admission, and never while stale."""
 
     targets: Targets = Field(default=None, json_schema_extra={"default": FROM_CAPACITY})
@@ -145,7 +145,7 @@ def _engine_key(f: dataclasses.Field[Any]) -> Any:
 _ENGINE_SECTION: type[BaseModel] = create_model(
     "Engine", __config__=ConfigDict(extra="forbid"),
     preset=(cast(Any, Literal)[tuple(PRESETS)], Field(default=DEFAULT_PRESET, description=(
-        "The calibrated engine the other keys start from (extproc/engine.py): "
+        "The calibrated engine the other keys start from (extproc/fleet/engine.py): "
         + ", ".join(PRESETS) + "."))),
     **{f.name: _engine_key(f) for f in dataclasses.fields(EngineModel)})
 
@@ -162,7 +162,7 @@ _MOVED_TO_ENGINE = {"max_running": "max_num_seqs", "prefill_ms_per_token": "ms_p
 
 @dataclass(frozen=True, config=MODEL)
 class Pool:
-    """Replicas serving one model, and the model of one replica (``extproc.engine``)."""
+    """Replicas serving one model, and the model of one replica (``extproc.fleet.engine``)."""
 
     name: Named
     """Named in capacity.services, metrics and autoscaling."""
@@ -173,7 +173,8 @@ class Pool:
     """Ready replicas assumed (capacity.source static)."""
     engine: Annotated[EngineModel, Section(_ENGINE_SECTION, _engine)] = Field(
         default_factory=EngineModel)
-    """One replica as vLLM V1 runs it: a preset and any of its keys over it (extproc/engine.py)."""
+    """One replica as vLLM V1 runs it: a preset and any of its keys over it
+    (extproc/fleet/engine.py)."""
     default_max_tokens: Annotated[Int, within(gt=0)] = 512
     """Output tokens charged when a request names no max_tokens."""
     tokenizer: File | None = None
@@ -184,7 +185,7 @@ class Pool:
     """Tokens a chat message adds beyond its text."""
     non_text_part_tokens: Count = 765
     """Tokens charged for a non-text content part (an image)."""
-    # Output-length prediction (extproc.estimate): the mean and a long (~99th percentile)
+    # Output-length prediction (extproc.tokens.estimate): the mean and a long (~99th percentile)
     # output of this pool's requests, e.g. from the engines' generation-token histogram.
     expected_output_tokens: Positive | None = None
     """Mean output of its requests; absent: max_tokens charged in full."""
@@ -202,7 +203,7 @@ class Pool:
     @classmethod
     def _first_cost_model_keys(cls, raw: Any, handler: Callable[[Any], Self]) -> Self:
         """Pool keys of the first cost model say where they went (not just "unknown key")."""
-        found = [Problem((old,), f"moved to engine.{new} (see extproc.engine)", show=False)
+        found = [Problem((old,), f"moved to engine.{new} (see extproc.fleet.engine)", show=False)
                  for old, new in _MOVED_TO_ENGINE.items()
                  if isinstance(raw, Mapping) and old in raw]
         return cast(Self, early(raw, handler, found, drop=_MOVED_TO_ENGINE))
@@ -218,7 +219,7 @@ class Pool:
 
 @dataclass(frozen=True, config=MODEL)
 class CapacityConfig:
-    """Where ready replicas come from (see extproc.capacity)."""
+    """Where ready replicas come from (see extproc.fleet.capacity)."""
 
     source: Literal["static", "envoy", "kubernetes"] = "static"
     """static: pools[].replicas; envoy: Envoy admin's healthy hosts; kubernetes: each pool's Service

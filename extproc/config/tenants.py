@@ -1,5 +1,5 @@
-"""Tenants and priorities (``extproc.tenant``, ``extproc.share``): where the tenant and a
-request's priority come from, and what each tenant is entitled to."""
+"""Tenants and priorities (``extproc.gateway.tenant``, ``extproc.decision.share``): where the tenant
+and a request's priority come from, and what each tenant is entitled to."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from extproc.config.rules import Problem, Rule, early, within
 
 
 class TenantSource(StrEnum):
-    """Where the tenant comes from (extproc.tenant): never from what the client sent."""
+    """Where the tenant comes from (extproc.gateway.tenant): never from what the client sent."""
 
     NONE = "none"  # no attribution
     METADATA = "metadata"  # Envoy dynamic metadata, e.g. jwt_authn's payload_in_metadata
@@ -24,7 +24,7 @@ class TenantSource(StrEnum):
 
 @dataclass(frozen=True, config=MODEL)
 class TenantPolicy:
-    """What one tenant is entitled to (extproc.share): its weight in fair shares, its
+    """What one tenant is entitled to (extproc.decision.share): its weight in fair shares, its
     requests' priority, and optional hard caps the ledger enforces atomically."""
 
     weight: Positive = 1.0
@@ -39,7 +39,7 @@ class TenantPolicy:
 
 @dataclass(frozen=True, config=MODEL)
 class PriorityConfig:
-    """Where a request's priority comes from (extproc.share), first that names one: the
+    """Where a request's priority comes from (extproc.decision.share), first that names one: the
     header (set by Envoy, never by the client), its tenant's, its class's, ``default``."""
 
     header: Header | None = None

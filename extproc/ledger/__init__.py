@@ -22,10 +22,11 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 - ``snapshot(pool)`` is the decision's input: in-flight count, outstanding work and the KV
   tokens the entries will hold (each entry's ``kv_tokens``, its prompt and typical output),
   and per group with entries, its count and work.
-- Groups (``entry.groups``: its priority and tenant, ``extproc.share``) are counted with the
+- Groups (``entry.groups``: its priority and tenant, ``extproc.decision.share``) are counted with
+the
   totals, in the same atomic steps; a group whose last entry goes leaves nothing behind.
 - ``wait(pool, gateway, level, lease_ms)`` publishes the highest priority level a gateway holds
-  requests of (``extproc.defer``; None: it holds none), replacing what it published before,
+  requests of (``extproc.decision.defer``; None: it holds none), replacing what it published before,
   for ``lease_ms``. ``reserve`` of an entry with a ceiling answers ``YIELDED`` (refused,
   nothing recorded) while another gateway's live level is higher than ``entry.priority``:
   one strict priority order across the gateways of a shared ledger. A gateway's own held
@@ -34,12 +35,12 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
 
 A shared ledger may also offer ``recent(pool)`` (``Recent``; the Redis ledger does): the
 pool's newest snapshot that came back with any of its answers, and its age. The gate may
-decide on it instead of calling ``snapshot`` (``extproc.gate``); what it decides and records
+decide on it instead of calling ``snapshot`` (``extproc.gateway.gate``); what it decides and records
 is the same contract.
 
 Leases are measured by the ledger's own clock, never the caller's. The gateway gives each
 entry a short lease (``ledger.liveness_ms``) and renews its live entries by heartbeat, so the
-entries of a replica that died lapse within seconds (``extproc.leases``).
+entries of a replica that died lapse within seconds (``extproc.gateway.leases``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from extproc.admission import Snapshot
+from extproc.decision.admission import Snapshot
 
 
 @dataclass(frozen=True, slots=True)

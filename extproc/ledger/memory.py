@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from extproc.admission import Snapshot
+from extproc.decision.admission import Snapshot
 from extproc.ledger import Cap, Entry, Reserved
 
 _EMPTY = Snapshot(inflight=0, outstanding_ms=0.0)

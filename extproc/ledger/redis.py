@@ -27,7 +27,7 @@ Python decides the ceiling; Lua only checks it.
 One round trip per admission: ``reserve`` and ``release`` answer with the pool's snapshot as
 it stands after them (the view ``snapshot`` reads), and the ledger keeps the newest per pool
 with the time its call was sent (``recent``): every change Redis committed before that instant
-is in it. The gate decides on it while it is young (``extproc.gate``) instead of calling
+is in it. The gate decides on it while it is young (``extproc.gateway.gate``) instead of calling
 ``snapshot`` first. Releases are queued and sent together (``_flush``): whatever was queued
 while the previous batch was in flight goes in one script call per pool (``BATCH`` ids at
 most), each id answered on its own, exactly once; a queued release is sent even if its caller
@@ -74,8 +74,8 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
-from extproc.admission import Snapshot
 from extproc.config import LedgerConfig
+from extproc.decision.admission import Snapshot
 from extproc.errors import LedgerUnavailable
 from extproc.ledger import Cap, Entry, Reserved
 from extproc.ledger.breaker import Breaker, State

@@ -23,7 +23,7 @@
 --          (ceiling, count or cap), 2 when it yields: another gateway, its lease live, holds
 --          requests of a higher priority;
 --          the pool's snapshot after it (as snapshot.lua)}: the next decision's input, without
---          a snapshot call of its own (extproc.gate).
+--          a snapshot call of its own (extproc.gateway.gate).
 --
 -- Arithmetic is IEEE double, as in the in-process ledger, and the total is stored with 17
 -- significant digits, so both ledgers compute bit-for-bit the same outstanding work.

@@ -1,4 +1,4 @@
--- wait: publish the highest priority one gateway holds requests of in a pool (extproc.defer),
+-- wait: publish the highest priority one gateway holds requests of in a pool (extproc.decision.defer),
 -- replacing what it published before; none held: its field goes. reserve.lua reads it: an
 -- entry of a lower priority from another gateway yields while the lease lasts.
 --

@@ -4,7 +4,7 @@ The gateway in the simulator runs the production ``admission.decide``, the produ
 core (``ledger.memory.LedgerCore``) and the production charge and Retry-After rules, so what a
 replay shows is what ``extproc serve`` does. Modules, in the order a request meets them:
 
-- ``workload`` (top level, ``extproc.workload``): jobs from traces, JSONL, decision logs or
+- ``workload`` (top level, ``extproc.sim.workload``): jobs from traces, JSONL, decision logs or
   synthetic generators;
 - ``clients``: attempts, SDK-like retries and timeouts;
 - ``policies``: none, naive, saturation, limit-N, article, default, defer, oracle;

@@ -7,7 +7,7 @@ provisioning delay), cancels ones still starting, or drains ready ones (a draini
 takes no new work and leaves once idle).
 
 A recommender is one method, ``recommend(obs) -> int``: plug any policy in. The gateway's own
-recommender (``extproc.autoscale``) reads a ``Window`` that maps field for field:
+recommender (``extproc.scaling.autoscale``) reads a ``Window`` that maps field for field:
 ``arrivals``, ``admitted``, ``rejected``, ``departures = completed``, ``oldest_age_s =
 oldest_inflight_s``, ``queue_depth = waiting``, ``ready``, ``starting``, ``draining``,
 ``utilization``, ``duration_s = window_s``, ``now = now_s``. Three ship here:
@@ -20,7 +20,7 @@ oldest_inflight_s``, ``queue_depth = waiting``, ``ready``, ``starting``, ``drain
   ``load / (ready x target)`` is within the tolerance of 1; starting replicas count as already
   requested; scale-up at most ``max_step`` x per period; scale-down only to the highest
   recommendation of the last ``scale_down_window_s`` (HPA's stabilization window);
-- ``GatewayRecommender``: the gateway's replica recommender (``extproc.autoscale``) fed that
+- ``GatewayRecommender``: the gateway's replica recommender (``extproc.scaling.autoscale``) fed that
   ``Window``; it keeps every recommendation with its time (``log``) so a run can be judged by it.
 
 ``make(name, min_replicas=, max_replicas=)`` builds one by name (``AUTOSCALERS``): ``hpa``,
@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from extproc import autoscale
+from extproc.scaling import autoscale
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ class Observation:
     oldest_waiting_s: float  # age of the oldest of those (0 when none)
     inflight: int  # requests in the gateway's ledger now
     oldest_inflight_s: float  # age of the oldest admitted-but-unfinished request (0: none)
-    held: int = 0  # requests the gateway holds (``extproc.defer``): no engine's metric has them
+    held: int = 0  # requests the gateway holds (``decision.defer``): no engine's metric has them
 
     @property
     def reject_ratio(self) -> float:
@@ -130,7 +130,7 @@ class HpaUtilization:
 
 @dataclass
 class GatewayRecommender:
-    """``extproc.autoscale.Recommender`` behind the simulator's ``recommend(obs) -> int``.
+    """``extproc.scaling.autoscale.Recommender`` behind the simulator's ``recommend(obs) -> int``.
 
     Replicas the fleet has requested but that are not ready yet are ``starting`` (never
     capacity: the recommender compares its ask with ``ready + starting``); the fleet makes

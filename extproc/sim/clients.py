@@ -21,9 +21,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from extproc.engine import Sequence
-from extproc.running import Running
-from extproc.workload import Job
+from extproc.decision.running import Running
+from extproc.fleet.engine import Sequence
+from extproc.sim.workload import Job
 
 
 class Host(Protocol):
@@ -54,7 +54,7 @@ class ClientModel:
 
 class Attempt(Sequence):
     """One send of a job: the gateway's request and, once admitted, the engine's sequence
-    (``extproc.engine.Sequence``: prompt, output, KV blocks, progress)."""
+    (``extproc.fleet.engine.Sequence``: prompt, output, KV blocks, progress)."""
 
     __slots__ = (
         "abandoned",
@@ -101,9 +101,9 @@ class Attempt(Sequence):
         self.abandoned = False  # its client stopped waiting
         self.released = False
         self.batch = False  # its class is a batch class
-        self.record: Running | None = None  # once admitted (``extproc.running``)
+        self.record: Running | None = None  # once admitted (``extproc.decision.running``)
         self.groups: tuple[str, ...] = ()  # its ledger groups (priority, tenant) once admitted
-        self.ask: Any = None  # what the gateway's step is asked (``extproc.step.Ask``)
+        self.ask: Any = None  # what the gateway's step is asked (``extproc.decision.step.Ask``)
 
     @property
     def good(self) -> bool:

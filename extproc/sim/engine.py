@@ -1,4 +1,5 @@
-"""One inference replica in virtual time: ``extproc.engine.Scheduler`` driven by the event loop.
+"""One inference replica in virtual time: ``extproc.fleet.engine.Scheduler`` driven by the event
+loop.
 
 The scheduler is the one the fake backend runs (vLLM V1's rules: a token budget per step,
 chunked prefill, KV blocks allocated as sequences grow, preemption of the newest sequence by
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from extproc.engine import EngineModel, Scheduler, Step
+from extproc.fleet.engine import EngineModel, Scheduler, Step
 from extproc.sim.clients import Attempt
 
 INF = float("inf")

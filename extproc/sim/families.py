@@ -127,12 +127,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from extproc.config import TenantConfig, TenantSource
-from extproc.engine import LLAMA_8B_1XH100, LLAMA_70B_FP8_2XH100, EngineModel
-from extproc.share import CRITICAL, SHEDDABLE, STANDARD
+from extproc.decision.share import CRITICAL, SHEDDABLE, STANDARD
+from extproc.fleet.engine import LLAMA_8B_1XH100, LLAMA_70B_FP8_2XH100, EngineModel
 from extproc.sim import scenarios
 from extproc.sim.clients import ClientModel
 from extproc.sim.run import Scenario
-from extproc.workload import (
+from extproc.sim.workload import (
     CONVERSATION,
     Job,
     LogNormal,

@@ -17,10 +17,12 @@
   ``max_tokens`` is charged in full at the single-sequence decode rate, and
   ``outstanding_ms / replicas + own_ms <= deadline x safety`` admits (no infeasible case, no
   TTFT check).
-- ``default``: the product: the admission step (``extproc.step.admit``) the gateway runs, fed
+- ``default``: the product: the admission step (``extproc.decision.step.admit``) the gateway runs,
+fed
   what the gateway knows (holding what fits after a wait if the scenario's configuration turns
   ``defer`` on; it is off by default).
-- ``defer``: the same, holding what fits after a wait (``extproc.defer``) whatever configured.
+- ``defer``: the same, holding what fits after a wait (``extproc.decision.defer``) whatever
+configured.
 - ``oracle``: clairvoyant about lengths: the same step told each request's true output length
   as its promise instead of the learned quantile. Its goodput bounds what a better
   output-length predictor could buy the default; the default's gap to it is what not knowing
@@ -37,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from extproc.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot
+from extproc.decision.admission import Capacity, Cost, Decision, Outcome, Policy, Reason, Snapshot
 
 
 class AdmissionPolicy(Protocol):
@@ -51,7 +53,7 @@ class AdmissionPolicy(Protocol):
 
     @property
     def uses_step(self) -> bool:
-        """True: the simulator runs the product's admission step (``extproc.step.admit``);
+        """True: the simulator runs the product's admission step (``extproc.decision.step.admit``);
         False: it calls ``decide`` below (a baseline)."""
         ...
 
@@ -62,7 +64,8 @@ class AdmissionPolicy(Protocol):
 
     @property
     def defers(self) -> bool | None:
-        """The step holds what fits after a wait (``extproc.defer``); None: as configured."""
+        """The step holds what fits after a wait (``extproc.decision.defer``); None: as
+        configured."""
         ...
 
     def decide(self, cost: Cost, true_output: int, snapshot: Snapshot, capacity: Capacity,
@@ -105,7 +108,7 @@ def NoAdmission() -> Product:
 
 def Defer() -> Product:
     """The product holding what fits after a wait (``defer: enabled: true``, whatever the
-    scenario configures: ``extproc.defer``)."""
+    scenario configures: ``extproc.decision.defer``)."""
     return Product(name="defer", defers=True)
 
 

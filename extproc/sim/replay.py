@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import TextIO
 
 from extproc import config as config_mod
-from extproc import workload
 from extproc.errors import ConfigError
-from extproc.sim import report, scenarios
+from extproc.sim import report, scenarios, workload
 from extproc.sim.clients import ClientModel
 from extproc.sim.policies import POLICIES
 from extproc.sim.run import Scenario

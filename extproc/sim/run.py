@@ -6,7 +6,7 @@ job list and client timeouts from a FIFO (they all last the same) instead of bei
 the heap only holds a replica's next step boundary, retries, readiness and the periodic
 samples.
 
-The gateway does what ``extproc.gate.Gate`` does, minus parsing and I/O: it reads the ledger
+The gateway does what ``extproc.gateway.gate.Gate`` does, minus parsing and I/O: it reads the ledger
 snapshot (the production ``LedgerCore``) and the ready capacity, asks the policy (for
 ``default``, ``none`` and ``oracle`` the production ``admission.decide``), and either answers
 429 with the production ``Retry-After`` rule, refuses an infeasible request (when configured)
@@ -15,8 +15,8 @@ conversation to its last turn's replica, unless that one is much busier: ``targe
 released when the request's stream ends: its last token, or its client giving up. Leases never
 expire in the simulator: no stream is ever lost, so the lease backstop has nothing to do.
 With ``defer`` on (the scenario's configuration, or the ``defer`` policy) a refused request is
-held as the gate holds it (``extproc.defer``'s queue, decided again by the same step with what
-it waited taken from its deadline): a pass runs at each release, each arrival that finds
+held as the gate holds it (``extproc.decision.defer``'s queue, decided again by the same step with
+what it waited taken from its deadline): a pass runs at each release, each arrival that finds
 requests held, a replica made ready, and each held request's hold end.
 
 Length: past the house's ~400 lines for one event loop, ``Simulation``, whose handlers share
@@ -35,23 +35,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.admission import Outcome, Policy, Reason, Snapshot
 from extproc.config import Config, Pool, TenantSource
-from extproc.defer import DEFERRABLE, Queue, Refused, Waiter, enter
-from extproc.engine import EngineModel
-from extproc.enginestats import Correction
-from extproc.learning import PoolLearning
-from extproc.ledger import Entry
-from extproc.ledger.memory import LedgerCore
-from extproc.lengths import Prior, decay_factor
-from extproc.retry import retry_delay_ms
-from extproc.rules import Rules
-from extproc.running import Running
-from extproc.sim.autoscaler import Fixed, Observation, Recommender
-from extproc.sim.clients import Attempt, ClientModel
-from extproc.sim.engine import INF, Replica
-from extproc.sim.policies import AdmissionPolicy, EngineView
-from extproc.step import (
+from extproc.decision.admission import Outcome, Policy, Reason, Snapshot
+from extproc.decision.defer import DEFERRABLE, Queue, Refused, Waiter, enter
+from extproc.decision.learning import PoolLearning
+from extproc.decision.lengths import Prior, decay_factor
+from extproc.decision.rules import Rules
+from extproc.decision.running import Running
+from extproc.decision.step import (
     Admission,
     Ask,
     admit,
@@ -61,7 +52,16 @@ from extproc.step import (
     priority_of,
     running_of,
 )
-from extproc.workload import Job
+from extproc.fleet.engine import EngineModel
+from extproc.fleet.enginestats import Correction
+from extproc.gateway.retry import retry_delay_ms
+from extproc.ledger import Entry
+from extproc.ledger.memory import LedgerCore
+from extproc.sim.autoscaler import Fixed, Observation, Recommender
+from extproc.sim.clients import Attempt, ClientModel
+from extproc.sim.engine import INF, Replica
+from extproc.sim.policies import AdmissionPolicy, EngineView
+from extproc.sim.workload import Job
 
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL, _EXPIRE, _PASS = range(7)
 AFFINITY_SLACK = 0.25  # a prefix's replica is kept while at most this share of a batch busier
@@ -312,7 +312,8 @@ class Simulation:
         # What the gateway learns: output lengths (each completion), promises, demand, mix.
         self.learning = PoolLearning(Prior(self.pool.expected_output_tokens or Prior.mean,
                                            self.pool.long_output_tokens or Prior.p99))
-        # What the gateway holds (``extproc.defer``), with the product's step and ``defer``.
+        # What the gateway holds (``extproc.decision.defer``), with the product's step and
+        # ``defer``.
         defer = self.config.defer
         self._defers = policy.uses_step and policy.enforce and defer.enabled
         self.queue = Queue(defer.max_waiting, defer.max_waiting_per_tenant, self._displaced)
@@ -453,7 +454,7 @@ class Simulation:
     # ---- gateway ----
     def _send(self, job: Job, number: int) -> None:
         """A client's send reaches the gateway: what the gateway holds goes first (a pass:
-        ``extproc.defer``), then this request is decided (``_decide``)."""
+        ``extproc.decision.defer``), then this request is decided (``_decide``)."""
         now = self.now
         res = self.result
         res.attempts += 1
@@ -484,7 +485,7 @@ class Simulation:
         self._decide(a)
 
     def _pass(self) -> None:
-        """Decide again what the gateway holds, in its order (``extproc.defer``)."""
+        """Decide again what the gateway holds, in its order (``extproc.decision.defer``)."""
         self._pass_due = False
         for waiter in self.queue.pass_order():
             self._decide(waiter.payload, waiter)
@@ -496,8 +497,8 @@ class Simulation:
 
     def _decide(self, a: Attempt, held: Waiter | None = None) -> None:
         """The gateway decides ``a`` (again, if it is ``held``): the admission step
-        (``extproc.step.admit``) for the product's policies, the baseline's own rule for the
-        others; then held, 400, 429 or the engines."""
+        (``extproc.decision.step.admit``) for the product's policies, the baseline's own rule for
+        the others; then held, 400, 429 or the engines."""
         now = self.now
         res = self.result
         job = a.job
@@ -516,7 +517,7 @@ class Simulation:
             adm = admit(ask, pool, self.rules, learning, snapshot, len(self.ready), now,
                         Correction(idle=idle))
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
-                adm = adm.refused(Reason.PRIORITY)  # a higher band is held (extproc.defer)
+                adm = adm.refused(Reason.PRIORITY)  # a higher band is held (extproc.decision.defer)
             outcome, retry_ms = adm.outcome, adm.retry_after_ms
             service = adm.decision.charge_ms if adm.decision is not None else 0.0
             kv = adm.kv_tokens
@@ -589,7 +590,7 @@ class Simulation:
         self._timeouts.append((now + self.scenario.clients.timeout_s, a))
 
     def _hold(self, a: Attempt, adm: Admission) -> Refused | None:
-        """Hold a refused request as the gate does (``extproc.defer.enter``): None, held;
+        """Hold a refused request as the gate does (``extproc.decision.defer.enter``): None, held;
         else why not, and its 429's Retry-After."""
         tenant = a.ask.tenant
         weight = self.config.tenant.policy(tenant).weight if tenant is not None else 1.0
@@ -788,7 +789,7 @@ class Simulation:
             marks[r.index] = (r.busy_s, r.occupancy_s, r.work_s)
             ready_time += now - max(r.ready_at, self._last_control)
         oldest_wait = min((r.oldest_waiting() for r in self.ready), default=INF)
-        held_since = self.queue.oldest()  # what the gateway holds (extproc.defer)
+        held_since = self.queue.oldest()  # what the gateway holds (extproc.decision.defer)
         inflight = self._inflight
         while inflight and inflight[0].released:
             inflight.popleft()

@@ -29,12 +29,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from extproc import config as config_mod
-from extproc.engine import LLAMA_70B_FP8_2XH100, EngineModel
 from extproc.errors import ConfigError
+from extproc.fleet.engine import LLAMA_70B_FP8_2XH100, EngineModel
 from extproc.sim import autoscaler as autoscaler_mod
 from extproc.sim.clients import ClientModel
 from extproc.sim.run import Scenario
-from extproc.workload import (
+from extproc.sim.workload import (
     CONVERSATION,
     Job,
     LogNormal,

@@ -1,0 +1,188 @@
+"""The measured level: how many requests per replica the pool has been *seen* to serve in time.
+
+The admission model (``extproc.decision.admission.decide``, held to its target by the promise,
+``extproc.decision.learning.Promise``) predicts; this measures. Every admitted request is resolved
+when its deadline comes (``PoolLearning.resolve``): a hit or a miss, at the level it was admitted
+at (a hit raises the level already when it completes), ``at = (outstanding work, its own
+included) / ready replicas`` from the ledger's snapshot (every gateway's requests, so each
+gateway replica measures the same pool). The step
+(``extproc.decision.step.admit``) admits a feasible request the model refused whenever the pool
+holds less work than ``level x replicas`` (or a replica has nothing to do) and a replica has a free
+slot for it (its sequence limit and its KV cache): the model may admit more than the measured
+level, never less. The level is in the ledger's unit, outstanding work per replica (each
+request's charge, ``Decision.charge_ms``): a count would let a long request in wherever a
+short one was seen to fit.
+
+The invariants (``docs/admission.md``):
+
+- **Work conservation.** While a replica has nothing to do (fewer requests in flight than
+  ready replicas), a feasible request is admitted, whatever the learned state, and no room is
+  kept for higher priorities (``extproc.decision.step``).
+- **Cold start.** A fresh level is 0: the model decides, and the idle replicas are used
+  (work conservation). A burst that reaches a fresh gateway before anything has ended gets
+  what the model admits, not every free slot: the level is what was *seen*, and nothing was.
+- **Recovery.** A request admitted at the top of the level (``at >= FRONTIER x level``) that
+  completes within its deadline is evidence that the pool serves ``at`` in time: the level rises
+  at once (``completed``: clocked by completions, as TCP's slow start is by acknowledgements,
+  not by deadlines) to what that supports if it is higher. If the level admitted it (the model
+  had refused), that is ``PROBE x at`` (slow start), or ``CREEP x at`` within ``CLEAN`` top
+  resolutions of a back-off; if the model admitted it, ``at`` plus its own charge (one request
+  more): the level follows the model's admissions closely, and probes past them only where the
+  model refuses and measurement says it need not. So refusals that measurement does not back
+  loosen by themselves, as fast as the pool's answers end: from nothing, a 16-slot pool whose
+  answers end in a second is full within a dozen seconds of a 20 s deadline
+  (``tests/test_no_harm.py``). Completions of requests admitted before a back-off do not undo it
+  (``PoolLearning``).
+- **Back-off.** Misses of requests admitted at the top beyond what the baseline allows, by more
+  than a Poisson deviation (``over``), resolved at their deadline (``settled``: a long answer
+  may still miss after the short ones beside it ended), cut the level by ``BACKOFF``; the
+  evidence starts again. One overload cuts once per step down: a request admitted above where
+  the level now is (before a cut) is not evidence against it, hit or miss. Counted one by one,
+  an overshoot's misses, which all come a deadline after it, cut the level to nothing
+  (measured: ~400 in flight to ~10 on priority/70b-vllm at 0.8x, refusing while replicas sat
+  idle); counting only those admitted after the cut instead kept the level up through
+  overloads (azure-code/70b-vllm 1.5x: attainment 77 % to 42 %).
+- **Unavoidable misses never tighten.** The baseline is the miss rate measured at low load
+  (requests admitted while a replica had nothing to do), with the model's chance of
+  missing even alone (``extproc.decision.step.unavoidable``) as its prior for ``PRIOR_REQUESTS``
+  requests: misses that happen at low load too are what the top may also have, plus the target's
+  1%. A workload where one answer in five cannot finish in time at any load keeps its level.
+
+Requests the level admitted against the model's prediction do not move the promise (their
+chance of missing, as the model predicts it, is high by construction, and counting them would
+tighten the model for what the measurement already governs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from extproc.decision.admission import Capacity, Cost, Decision, Outcome, Reason, Snapshot
+
+FRONTIER = 0.8  # a request admitted at this share of the level or more tests the level
+PROBE = 1.5  # until the first back-off, a hit at the top the level admitted supports this ...
+CREEP = 1.1  # ... and this after it (at least one request more for the fleet)
+BACKOFF = 0.8  # the level's cut when the top misses more than the baseline allows
+MEMORY = 0.98  # each top resolution's weight decays by this per later one (~50 resolutions)
+CLEAN = 50  # top resolutions after a back-off without another: probing again (``PROBE``)
+PRIOR_REQUESTS = 20.0  # the model's unavoidable chance counts as this many low-load requests
+
+
+@dataclass
+class Level:
+    """The measured level of one pool (module docstring), in the ledger's unit: outstanding
+    work (ms of GPU time, ``Decision.charge_ms`` each) per ready replica."""
+
+    level_ms: float = 0.0  # unmeasured: the model and the idle replicas decide
+    probing: bool = True  # no back-off in the last ``CLEAN`` top resolutions (else ``CREEP``)
+    _since: int = 0  # top resolutions since the last back-off
+    target: float = 0.99  # of admitted requests in time (``extproc.decision.learning``'s target)
+    _low: float = 0.0  # resolutions of requests admitted while a replica had nothing to do
+    _low_missed: float = 0.0  # ... and their misses
+    _prior: float = 0.0  # the model's mean unavoidable chance over resolutions, decayed
+    _priors: float = 0.0
+    _top: float = 0.0  # resolutions at the top since the last back-off, decayed
+    _top_missed: float = 0.0
+    _top_allowed: float = 0.0  # ... and the misses the baseline allows them
+
+    @property
+    def baseline(self) -> float:
+        """The miss rate at low load: measured, with the model's unavoidable chance as prior."""
+        prior = self._prior / self._priors if self._priors else 0.0
+        return (self._low_missed + PRIOR_REQUESTS * prior) / (self._low + PRIOR_REQUESTS)
+
+    @property
+    def over(self) -> bool:
+        """The top misses more than the baseline allows, by more than two Poisson deviations."""
+        allowed = self._top_allowed
+        return self._top_missed > allowed + 2.0 * math.sqrt(allowed) + 1.0
+
+    def settled(self, missed: bool, at_ms: float, level_ms: float, *, alone: bool = False,
+                unavoidable: float = 0.0) -> None:
+        """A request admitted with ``at_ms`` of work per replica outstanding (its own
+        included), when the level was ``level_ms``, was resolved at its deadline: ``missed``
+        it or not. ``alone``: a replica had nothing to do when it was admitted;
+        ``unavoidable``: the model's chance that it misses even alone. Misses at the top beyond
+        the baseline cut the level; a hit raised it already, when it completed
+        (``completed``)."""
+        self._prior += unavoidable
+        self._priors += 1.0
+        if alone:
+            self._low += 1.0
+            self._low_missed += 1.0 if missed else 0.0
+        if at_ms < FRONTIER * level_ms:
+            return  # below the top
+        if at_ms > self.level_ms:
+            return  # admitted above where a back-off has put the level since: not its evidence
+        self._since += 1
+        if self._since >= CLEAN:
+            self.probing = True
+        self._top = self._top * MEMORY + 1.0
+        self._top_missed = self._top_missed * MEMORY + (1.0 if missed else 0.0)
+        base = self.baseline
+        self._top_allowed = self._top_allowed * MEMORY + base + (1.0 - base) * (1.0 - self.target)
+        if missed and self.over:
+            self.level_ms *= BACKOFF
+            self.probing, self._since = False, 0
+            self._top = self._top_missed = self._top_allowed = 0.0
+
+    def completed(self, at_ms: float, level_ms: float, step_ms: float, *,
+                  measured: bool = False) -> None:
+        """A request admitted at ``at_ms`` (the level ``level_ms`` then) completed within its
+        deadline: if it ran at the top, the pool served ``at_ms`` in time, and the level rises
+        to what that supports at once (its statistics wait for its deadline: ``settled``).
+        ``measured``: the level admitted it (the model had refused)."""
+        if at_ms < FRONTIER * level_ms:
+            return
+        factor = (PROBE if self.probing else CREEP) if measured else 1.0
+        self.level_ms = max(self.level_ms, at_ms * factor, at_ms + step_ms)
+
+    def decay(self, factor: float) -> None:
+        """Forget a round's worth of the low-load baseline (as the lengths are forgotten)."""
+        self._low *= factor
+        self._low_missed *= factor
+        self._prior *= factor
+        self._priors *= factor
+
+
+MEASURABLE = (Reason.DEADLINE, Reason.TTFT, Reason.KV_CACHE)  # what the level overrules
+
+
+def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capacity,
+             level: Level, left: float = 1.0, idle: bool = False) -> Decision | None:
+    """The model refused a feasible request (``MEASURABLE``); it is admitted (``MEASURED``)
+    if a replica has a free slot for it (its sequence limit and its KV cache) and either a
+    replica has nothing to do or the pool's work, with it, is within the measured level. The
+    ledger's atomic checks: that work and those slots. None: it stays as decided.
+
+    ``idle``: the replica the request goes to has nothing to do, as its own engine reported
+    after the last request this gateway sent there (``extproc.fleet.enginestats``: an endpoint
+    picker in front of the gateway named it). Then it is admitted (``IDLE``) if it fits that
+    replica's KV cache alone, whatever the pool as a whole holds: the ledger sees the pool's
+    work and KV only in sum, and behind a prefix-aware router, which keeps sessions on the
+    replica holding their history, one replica can empty while the sum reads full; refusing
+    its sessions then keeps it empty (measured: agentic/70b-vllm refused work an idle replica
+    would have done in 27-35 % of the run). No ledger check: the engine's report is the
+    check, and one request per report is what it covers.
+
+    ``left``: the share of its budget a request the gateway held still has
+    (``extproc.decision.defer``). What the level saw served in time had its whole deadline; work
+    drains in proportion to time, so such a request is held to that share of the level."""
+    if decision.reason not in MEASURABLE:
+        return None
+    n, replicas = snapshot.inflight, capacity.replicas
+    if idle and cost.kv <= (capacity.engine.kv_tokens or math.inf):  # (0: not bounded)
+        return dataclasses.replace(
+            decision, outcome=Outcome.ADMIT, reason=Reason.IDLE, retry_after_ms=None,
+            ceiling_ms=None, max_inflight=None)
+    free = replicas * capacity.batch_with(snapshot, cost)
+    work = snapshot.outstanding_ms + decision.charge_ms
+    room = level.level_ms * replicas * min(1.0, max(0.0, left))
+    if n + cost.sequences > free or not (n < replicas
+                                                  or (replicas > 0 and work <= room)):
+        return None
+    return dataclasses.replace(
+        decision, outcome=Outcome.ADMIT, reason=Reason.MEASURED, retry_after_ms=None,
+        ceiling_ms=max(work, room), max_inflight=free)

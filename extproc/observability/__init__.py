@@ -1,0 +1,3 @@
+"""What the gateway says about itself: Prometheus metrics, decision spans over OTLP, JSON
+logs and the decision log.
+"""
