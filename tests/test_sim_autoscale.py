@@ -48,7 +48,8 @@ from extproc.scaling.autoscale import Direction, ScalingPolicy
 from extproc.sim import policies, scenarios
 from extproc.sim.autoscaler import GatewayRecommender
 from extproc.sim.clients import Attempt
-from extproc.sim.run import Scenario, Simulation
+from extproc.sim.run import Simulation
+from extproc.sim.scenarios import Scenario
 from extproc.sim.workload import Job
 
 pytestmark = pytest.mark.slow  # simulations of more than a few seconds

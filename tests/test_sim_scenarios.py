@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from extproc.sim import policies, scenarios
-from extproc.sim.run import Result, Scenario, simulate
+from extproc.sim.result import Result
+from extproc.sim.run import simulate
+from extproc.sim.scenarios import Scenario
 from extproc.sim.workload import read_azure
 
 pytestmark = pytest.mark.slow  # simulations of more than a few seconds

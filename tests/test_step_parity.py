@@ -21,7 +21,8 @@ from extproc.ledger.memory import MemoryLedger
 from extproc.observability.metrics import Metrics
 from extproc.sim.clients import ClientModel
 from extproc.sim.policies import make
-from extproc.sim.run import Scenario, Simulation
+from extproc.sim.run import Simulation
+from extproc.sim.scenarios import Scenario
 from extproc.sim.workload import Job
 
 SETTINGS: dict[str, Any] = {

@@ -82,7 +82,9 @@ from typing import Any, TextIO, TypeVar
 from extproc.sim import autoscaler as autoscaler_mod
 from extproc.sim import families, report, scenarios
 from extproc.sim.policies import make
-from extproc.sim.run import Result, Scenario, simulate
+from extproc.sim.result import Result
+from extproc.sim.run import simulate
+from extproc.sim.scenarios import Scenario
 
 LOADS = (0.8, 1.5, 3.0)
 POLICIES = ("naive", "saturation", "default", "oracle", "tuned")

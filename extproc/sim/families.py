@@ -131,7 +131,7 @@ from extproc.decision.share import CRITICAL, SHEDDABLE, STANDARD
 from extproc.fleet.engine import LLAMA_8B_1XH100, LLAMA_70B_FP8_2XH100, EngineModel
 from extproc.sim import scenarios
 from extproc.sim.clients import ClientModel
-from extproc.sim.run import Scenario
+from extproc.sim.scenarios import Scenario
 from extproc.sim.workload import (
     CONVERSATION,
     Job,

@@ -22,7 +22,7 @@ from extproc.errors import ConfigError
 from extproc.sim import report, scenarios, workload
 from extproc.sim.clients import ClientModel
 from extproc.sim.policies import POLICIES
-from extproc.sim.run import Scenario
+from extproc.sim.scenarios import Scenario
 
 DEFAULT_POLICIES = ("none", "naive", "article", "default", "oracle")
 

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from extproc.sim import policies
-from extproc.sim.run import Result, Scenario, simulate
+from extproc.sim.result import Result
+from extproc.sim.run import simulate
+from extproc.sim.scenarios import Scenario
 
 
 class Progress:

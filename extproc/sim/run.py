@@ -19,9 +19,11 @@ held as the gate holds it (``extproc.decision.defer``'s queue, decided again by 
 what it waited taken from its deadline): a pass runs at each release, each arrival that finds
 requests held, a replica made ready, and each held request's hold end.
 
+What a run is given (``extproc.sim.scenarios.Scenario``) and what it gives back
+(``extproc.sim.result``) live beside it.
+
 Length: past the house's ~400 lines for one event loop, ``Simulation``, whose handlers share
-its heap, replicas and tallies; the result types (``Scenario``, ``Result``) are the next to
-move out.
+its heap, replicas and tallies.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from extproc.config import Config, Pool, TenantSource
+from extproc.config import TenantSource
 from extproc.decision.admission import Outcome, Policy, Reason, Snapshot
 from extproc.decision.defer import DEFERRABLE, Queue, Refused, Waiter, enter
 from extproc.decision.learning import PoolLearning
@@ -52,199 +54,22 @@ from extproc.decision.step import (
     priority_of,
     running_of,
 )
-from extproc.fleet.engine import EngineModel
 from extproc.fleet.enginestats import Correction
 from extproc.gateway.retry import retry_delay_ms
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
 from extproc.sim.autoscaler import Fixed, Observation, Recommender
-from extproc.sim.clients import Attempt, ClientModel
+from extproc.sim.clients import Attempt
 from extproc.sim.engine import INF, Replica
 from extproc.sim.policies import AdmissionPolicy, EngineView
+from extproc.sim.result import Result, quantile
+from extproc.sim.scenarios import Scenario
 from extproc.sim.workload import Job
 
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL, _EXPIRE, _PASS = range(7)
 AFFINITY_SLACK = 0.25  # a prefix's replica is kept while at most this share of a batch busier
 SCRAPE_S = 0.05  # how often a saturation detector's view of the engines is refreshed
 METRICS_S = 2.0  # the gateway's own scrape of the engines' metrics (``EngineStats.start``)
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """Everything but the policy: workload, fleet, gateway configuration, clients."""
-
-    name: str
-    jobs: Sequence[Job]
-    config: Config  # the gateway's configuration: its first pool is the fleet simulated
-    engine: EngineModel  # the replicas' real timing (what the pool config claims may differ)
-    replicas: int
-    clients: ClientModel = field(default_factory=ClientModel)
-    engine_aborts: bool = True  # engines drop a request when its client goes (streaming)
-    autoscaler: Callable[[], Recommender] | None = None  # None: a fixed fleet
-    provisioning_s: float = 540.0
-    control_period_s: float = 15.0
-    sample_s: float = 10.0
-    seed: int = 0
-    description: str = ""
-    clock_origin_s: float = 0.0  # wall-clock seconds after midnight at t = 0, for plots
-
-    @property
-    def pool(self) -> Pool:
-        return self.config.pools[0]
-
-    @property
-    def span_s(self) -> float:
-        return max((j.arrival_s for j in self.jobs), default=0.0)
-
-
-@dataclass
-class Series:
-    """Per-sample time series (one entry per ``sample_s``)."""
-
-    t: list[float] = field(default_factory=list)
-    arrivals: list[int] = field(default_factory=list)
-    rejected: list[int] = field(default_factory=list)
-    admitted: list[int] = field(default_factory=list)
-    good: list[int] = field(default_factory=list)
-    late: list[int] = field(default_factory=list)
-    dropped: list[int] = field(default_factory=list)
-    p95_s: list[float] = field(default_factory=list)
-    ready: list[int] = field(default_factory=list)
-    starting: list[int] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    inflight: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Tally:
-    """One priority or tenant group's attempts and how they went (``Result.groups``)."""
-
-    attempts: int = 0
-    admitted: int = 0
-    rejected: int = 0
-    good: int = 0
-    good_in_span: int = 0
-    good_arrivals: list[float] = field(default_factory=list, repr=False)  # its jobs' arrivals
-
-    @property
-    def attainment(self) -> float:
-        return self.good / self.admitted if self.admitted else 1.0
-
-    def goodput_between(self, start_s: float, end_s: float) -> float:
-        """Completions in time a second, of the jobs that arrived in ``[start_s, end_s)``."""
-        inside = sum(1 for t in self.good_arrivals if start_s <= t < end_s)
-        return inside / (end_s - start_s) if end_s > start_s else 0.0
-
-
-@dataclass
-class Result:
-    scenario: str
-    policy: str
-    span_s: float
-    jobs: int = 0
-    attempts: int = 0
-    admitted: int = 0  # attempts forwarded to an engine (admitted, passed, or shadow)
-    rejected: int = 0  # 429s sent (enforced)
-    would_reject: int = 0  # REJECT decisions, enforced or not (shadow mode counts them)
-    refused: int = 0  # 400s: infeasible requests refused by configuration
-    unavailable: int = 0  # no ready replica to forward to
-    good: int = 0  # admitted attempts that completed within deadline (and TTFT objective)
-    good_in_span: int = 0  # ... of which finished while jobs were still arriving
-    completed: int = 0  # admitted attempts that finished at an engine (on time or not)
-    abandoned: int = 0  # admitted attempts whose client gave up first
-    jobs_good: int = 0
-    jobs_shed: int = 0  # jobs that gave up after 429s
-    jobs_failed: int = 0  # jobs that gave up after timeouts (or 400s)
-    latencies_s: list[float] = field(default_factory=list, repr=False)
-    ttfts_s: list[float] = field(default_factory=list, repr=False)
-    gpu_s: float = 0.0
-    gpu_wasted_s: float = 0.0
-    queue_delay_s: float = 0.0
-    replica_s: float = 0.0
-    ready_replica_s: float = 0.0
-    idle_replica_s: float = 0.0
-    refused_idle_s: int = 0  # seconds of the span with a 429 of a request that would have
-    # made it alone (``feasible_alone``) on the replica it would have gone to, idle then
-    held_idle_s: int = 0  # ... with a request held after a pass while a ready replica was idle
-    peak_replicas: int = 0
-    final_replicas: int = 0
-    events: int = 0
-    series: Series = field(default_factory=Series, repr=False)
-    groups: dict[str, Tally] = field(default_factory=dict)  # per priority and tenant group
-
-    def tally(self, group: str) -> Tally:
-        tally = self.groups.get(group)
-        if tally is None:
-            tally = self.groups[group] = Tally()
-        return tally
-
-    # ---- derived figures (see docs/simulator.md for the definitions) ----
-    @property
-    def goodput(self) -> float:
-        """Completions within deadline per second, over the workload's span (completions
-        after the last arrival are left out, so a policy that defers work past the end of the
-        workload gains nothing from it)."""
-        return self.good_in_span / self.span_s if self.span_s else 0.0
-
-    @property
-    def attainment(self) -> float:
-        """Share of admitted attempts that met their deadline."""
-        return self.good / self.admitted if self.admitted else 1.0
-
-    @property
-    def reject_share(self) -> float:
-        return self.rejected / self.attempts if self.attempts else 0.0
-
-    @property
-    def shed_share(self) -> float:
-        return self.jobs_shed / self.jobs if self.jobs else 0.0
-
-    def latency(self, q: float) -> float:
-        return _quantile(self.latencies_s, q)
-
-    def ttft(self, q: float) -> float:
-        return _quantile(self.ttfts_s, q)
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "scenario": self.scenario, "policy": self.policy, "span_s": round(self.span_s, 1),
-            "jobs": self.jobs, "attempts": self.attempts,
-            "goodput_rps": round(self.goodput, 4), "good": self.good,
-            "attainment": round(self.attainment, 5), "admitted": self.admitted,
-            "rejected": self.rejected, "reject_share": round(self.reject_share, 5),
-            "would_reject": self.would_reject, "refused": self.refused,
-            "unavailable": self.unavailable,
-            "jobs_good": self.jobs_good, "jobs_shed": self.jobs_shed,
-            "jobs_failed": self.jobs_failed, "shed_share": round(self.shed_share, 5),
-            "completed": self.completed, "abandoned": self.abandoned,
-            "latency_s": {f"p{q}": _round(self.latency(q / 100)) for q in (50, 95, 99)},
-            "ttft_s": {f"p{q}": _round(self.ttft(q / 100)) for q in (50, 95, 99)},
-            "gpu_s": round(self.gpu_s, 1), "gpu_wasted_s": round(self.gpu_wasted_s, 1),
-            "queue_delay_min": round(self.queue_delay_s / 60, 2),
-            "replica_min": round(self.replica_s / 60, 2),
-            "ready_replica_min": round(self.ready_replica_s / 60, 2),
-            "idle_replica_min": round(self.idle_replica_s / 60, 2),
-            "refused_idle_s": self.refused_idle_s, "held_idle_s": self.held_idle_s,
-            "peak_replicas": self.peak_replicas, "final_replicas": self.final_replicas,
-            "events": self.events,
-            "groups": {g: {"attempts": t.attempts, "admitted": t.admitted,
-                           "rejected": t.rejected, "good": t.good,
-                           "goodput_rps": round(t.good_in_span / self.span_s, 4)
-                           if self.span_s else 0.0,
-                           "attainment": round(t.attainment, 5)}
-                       for g, t in sorted(self.groups.items())},
-        }
-
-
-def _round(x: float) -> float | None:
-    return None if math.isinf(x) or math.isnan(x) else round(x, 3)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def feasible_alone(a: Attempt, replica: Replica) -> bool:
@@ -850,7 +675,7 @@ class Simulation:
         series.late.append(s.late)
         series.dropped.append(s.dropped)
         lat = self._sample_latencies
-        series.p95_s.append(_quantile(lat, 0.95) if lat else math.nan)
+        series.p95_s.append(quantile(lat, 0.95) if lat else math.nan)
         series.ready.append(len(self.ready))
         series.starting.append(sum(1 for r in self.replicas if r.state == "starting"))
         series.waiting.append(sum(len(r.waiting) for r in self.ready))

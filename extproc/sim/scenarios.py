@@ -1,4 +1,5 @@
-"""Built-in scenarios: the reference incident, trace replays at a chosen load, synthetic ones.
+"""A simulated run's input (``Scenario``: workload, fleet, configuration, clients) and the
+built-in ones: the reference incident, trace replays at a chosen load, synthetic ones.
 
 Load is stated against *fleet capacity*: the request rate a pool sustains with every replica's
 batch full, from the GPU time one request costs there,
@@ -26,14 +27,16 @@ import math
 import os
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from extproc import config as config_mod
+from extproc.config import Config, Pool
 from extproc.errors import ConfigError
 from extproc.fleet.engine import LLAMA_70B_FP8_2XH100, EngineModel
 from extproc.sim import autoscaler as autoscaler_mod
+from extproc.sim.autoscaler import Recommender
 from extproc.sim.clients import ClientModel
-from extproc.sim.run import Scenario
 from extproc.sim.workload import (
     CONVERSATION,
     Job,
@@ -50,6 +53,37 @@ from extproc.sim.workload import (
 CHAT_CLASSES: dict[str, Any] = {
     "latency": {"deadline_ms": 30_000, "ttft_ms": 2_000, "safety_factor": 0.8},
 }
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything but the policy: workload, fleet, gateway configuration, clients."""
+
+    name: str
+    jobs: Sequence[Job]
+    config: Config  # the gateway's configuration: its first pool is the fleet simulated
+    engine: EngineModel  # the replicas' real timing (what the pool config claims may differ)
+    replicas: int
+    clients: ClientModel = field(default_factory=ClientModel)
+    engine_aborts: bool = True  # engines drop a request when its client goes (streaming)
+    autoscaler: Callable[[], Recommender] | None = None  # None: a fixed fleet
+    provisioning_s: float = 540.0
+    control_period_s: float = 15.0
+    sample_s: float = 10.0
+    seed: int = 0
+    description: str = ""
+    clock_origin_s: float = 0.0  # wall-clock seconds after midnight at t = 0, for plots
+
+    @property
+    def pool(self) -> Pool:
+        return self.config.pools[0]
+
+    @property
+    def span_s(self) -> float:
+        return max((j.arrival_s for j in self.jobs), default=0.0)
+
+
+
 ENGINE = dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=16)  # 16 slots a replica
 AZURE_MAX_TOKENS = {"conv": 1024, "code": 2048}  # above each trace's longest output
 # Code completions are not streamed (the editor waits for the whole answer): no TTFT objective.
