@@ -17,6 +17,7 @@ from aiohttp import web
 from extproc.config import Pool
 from extproc.errors import ConfigError
 from extproc.fleet.capacity import (
+    ApiServer,
     EnvoyAdminCapacity,
     Freshness,
     KubernetesCapacity,
@@ -209,8 +210,8 @@ async def api() -> AsyncIterator[FakeApiServer]:
 
 def kube(api: FakeApiServer, token: Path, clock: Callable[[], float] | None = None,
          **kw: Any) -> KubernetesCapacity:
-    return KubernetesCapacity(POOLS, {"llama": "inference/vllm-llama"}, api_url=api.url,
-                              token_path=str(token), retry_s=0.05, **kw,
+    return KubernetesCapacity(POOLS, {"llama": "inference/vllm-llama"},
+                              api=ApiServer(api.url, token_path=str(token), retry_s=0.05), **kw,
                               **({"clock": clock} if clock else {}))
 
 
@@ -293,13 +294,14 @@ async def test_kubernetes_source_lost_is_held_then_floored(api: FakeApiServer,
 
 def test_kubernetes_in_cluster_settings(tmp_path: Path) -> None:
     env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-    source = KubernetesCapacity(POOLS, {"llama": "vllm-llama"}, environ=env, namespace="ml")
-    assert source.api_url == "https://10.96.0.1:443"
+    source = KubernetesCapacity(POOLS, {"llama": "vllm-llama"},
+                                api=ApiServer.in_cluster(env, namespace="ml"))
+    assert source.api.url == "https://10.96.0.1:443"
     assert source.services == {"llama": ("ml", "vllm-llama")}
     v6 = KubernetesCapacity(POOLS, {"llama": "a/b"},
-                            environ={"KUBERNETES_SERVICE_HOST": "fd00::1"})
-    assert v6.api_url == "https://[fd00::1]:443"
+                            api=ApiServer.in_cluster({"KUBERNETES_SERVICE_HOST": "fd00::1"}))
+    assert v6.api.url == "https://[fd00::1]:443"
     with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_HOST"):
-        KubernetesCapacity(POOLS, {"llama": "a/b"}, environ={})
+        ApiServer.in_cluster({})
     with pytest.raises(ConfigError, match="unknown pool 'mistral'"):
-        KubernetesCapacity(POOLS, {"mistral": "a/b"}, api_url="http://x")
+        KubernetesCapacity(POOLS, {"mistral": "a/b"}, api=ApiServer("http://x"))

@@ -332,6 +332,35 @@ class _Gone(Exception):
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
+@dataclass(frozen=True)
+class ApiServer:
+    """How to reach the Kubernetes API, and how patiently: its address, the bearer token's
+    file (re-read on every request: projected tokens rotate) and the CA's, the namespace of
+    Services named without one (None: the pod's own, from its service account), a request's
+    timeout, a watch's, and the pause before a failed list or watch is tried again."""
+
+    url: str
+    token_path: str = f"{SERVICE_ACCOUNT}/token"
+    ca_path: str = f"{SERVICE_ACCOUNT}/ca.crt"
+    namespace: str | None = None
+    timeout_s: float = 5.0
+    watch_timeout_s: int = 300
+    retry_s: float = 1.0
+
+    @classmethod
+    def in_cluster(cls, environ: Mapping[str, str] = os.environ, **settings: Any) -> ApiServer:
+        """The API as a pod sees it: ``KUBERNETES_SERVICE_HOST``/``_PORT``."""
+        host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get(
+            "KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise ConfigError(["capacity.kubernetes: not in a cluster"
+                               " (KUBERNETES_SERVICE_HOST unset): the EndpointSlices source"
+                               " reads the API a pod sees"])
+        url = f"https://{host}:{port}" if ":" not in host else f"https://[{host}]:{port}"
+        return cls(url, **settings)
+
+
+
 class KubernetesCapacity(_Discovered):
     """Ready endpoints of each pool's Service, from its EndpointSlices, kept current by a watch.
 
@@ -340,50 +369,38 @@ class KubernetesCapacity(_Discovered):
     DELETED) updates the set and the count. A watch that times out normally resumes from the
     last resourceVersion seen; a 410 Gone (as a status or an ERROR event) lists again; any
     other failure marks the pool's source failing (see the staleness rule above) and retries
-    after ``retry_s``. While the watch is connected the count is current, however old.
+    after ``ApiServer.retry_s``. While the watch is connected the count is current, however old.
 
-    In the cluster the API address comes from ``KUBERNETES_SERVICE_HOST``/``_PORT``, the bearer
-    token (re-read on every request: projected tokens rotate) and CA from the service
-    account's mount. RBAC: ``get``, ``list`` and ``watch`` on ``endpointslices`` in the
+    In the cluster the API is the pod's (``ApiServer.in_cluster``: the address from
+    ``KUBERNETES_SERVICE_HOST``/``_PORT``, the bearer token and CA from the service account's
+    mount). RBAC: ``get``, ``list`` and ``watch`` on ``endpointslices`` in the
     discovery.k8s.io group, in the Services' namespaces. ``services`` maps a pool to
     ``"namespace/name"`` or ``"name"`` (the pod's own namespace).
     """
 
     def __init__(self, pools: Iterable[Pool], services: Mapping[str, str], *,
-                 api_url: str | None = None, token_path: str | None = None,
-                 ca_path: str | None = None, namespace: str | None = None,
-                 environ: Mapping[str, str] = os.environ, timeout_s: float = 5.0,
-                 watch_timeout_s: int = 300, retry_s: float = 1.0, hold_s: float = 30.0,
+                 api: ApiServer | None = None, hold_s: float = 30.0,
                  floor: int | Mapping[str, int] = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(pools, hold_s=hold_s, floor=floor, clock=clock)
-        if api_url is None:
-            host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get(
-                "KUBERNETES_SERVICE_PORT", "443")
-            if not host:
-                raise ConfigError(["capacity.kubernetes: not in a cluster"
-                                   " (KUBERNETES_SERVICE_HOST unset) and no api_url given"])
-            api_url = f"https://{host}:{port}" if ":" not in host else f"https://[{host}]:{port}"
-        self.api_url = api_url.rstrip("/")
-        self.token_path = token_path or f"{SERVICE_ACCOUNT}/token"
-        self.ca_path = ca_path or f"{SERVICE_ACCOUNT}/ca.crt"
-        if namespace is None and any("/" not in s for s in services.values()):
-            namespace = _read(f"{SERVICE_ACCOUNT}/namespace") or "default"
+        self.api = api = api if api is not None else ApiServer.in_cluster()
         unknown = sorted(set(services) - set(self._pools))
         if unknown:
             raise ConfigError([f"capacity.kubernetes.services: unknown pool {n!r}"
                                for n in unknown])
+        namespace = api.namespace
+        if namespace is None and any("/" not in s for s in services.values()):
+            namespace = _read(f"{SERVICE_ACCOUNT}/namespace") or "default"
         self.services = {p: tuple(s.split("/", 1)) if "/" in s else (namespace or "default", s)
                          for p, s in services.items()}
-        self.timeout_s, self.watch_timeout_s, self.retry_s = timeout_s, watch_timeout_s, retry_s
         self._session: aiohttp.ClientSession | None = None
         self.lists = 0  # how many times a full list was made (a re-list follows a 410)
         self._events = {p: 0 for p in self.services}  # watch events since the last list
 
     async def start(self) -> None:
         ssl_ctx: ssl.SSLContext | bool = False
-        if self.api_url.startswith("https:"):
-            ssl_ctx = ssl.create_default_context(cafile=self.ca_path)
+        if self.api.url.startswith("https:"):
+            ssl_ctx = ssl.create_default_context(cafile=self.api.ca_path)
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx))
         for pool, (ns, name) in self.services.items():
             self._tasks.append(asyncio.create_task(self._follow(pool, ns, name)))
@@ -395,12 +412,12 @@ class KubernetesCapacity(_Discovered):
             self._session = None
 
     def _headers(self) -> dict[str, str]:
-        token = _read(self.token_path)
+        token = _read(self.api.token_path)
         return {"Accept": "application/json",
                 **({"Authorization": f"Bearer {token}"} if token else {})}
 
     def _path(self, ns: str) -> str:
-        return f"{self.api_url}/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+        return f"{self.api.url}/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 
     async def _follow(self, pool: str, ns: str, name: str) -> None:
         """List, then watch, forever. A 410 lists again at once, unless the watch before it
@@ -423,13 +440,13 @@ class KubernetesCapacity(_Discovered):
                 if held.error is None:
                     log.warning("endpointslices of %s/%s: %r", ns, name, exc)
                 held.lost(self._clock(), f"endpointslices {ns}/{name}: {exc!r}")
-            await asyncio.sleep(self.retry_s)
+            await asyncio.sleep(self.api.retry_s)
 
     async def _list(self, ns: str, name: str) -> tuple[dict[str, Mapping[str, Any]], str]:
         assert self._session is not None
         self.lists += 1
         params = {"labelSelector": f"kubernetes.io/service-name={name}"}
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.api.timeout_s)
         async with self._session.get(self._path(ns), params=params, headers=self._headers(),
                                      timeout=timeout) as resp:
             if resp.status == 410:
@@ -445,9 +462,9 @@ class KubernetesCapacity(_Discovered):
         assert self._session is not None
         params = {"labelSelector": f"kubernetes.io/service-name={name}", "watch": "true",
                   "resourceVersion": version, "allowWatchBookmarks": "true",
-                  "timeoutSeconds": str(self.watch_timeout_s)}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s,
-                                        sock_read=self.watch_timeout_s + 30)
+                  "timeoutSeconds": str(self.api.watch_timeout_s)}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.api.timeout_s,
+                                        sock_read=self.api.watch_timeout_s + 30)
         held = self._held[pool]
         async with self._session.get(self._path(ns), params=params, headers=self._headers(),
                                      timeout=timeout) as resp:

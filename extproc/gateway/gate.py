@@ -9,8 +9,8 @@ the entries of running requests alive and a ledger that was away is given what i
 (``extproc.gateway.leases``, through which every ledger call goes). An admission priced on an
 estimate is counted exactly afterwards and its entry charged the exact cost (``_recount``).
 
-Passed in, not built or set afterwards: the ledger, the capacity source, metrics, the token
-counters and engine scrapers, tracing (off by default) and the listeners that hear of every
+Passed in, not built or set afterwards: the ledger, the capacity source, metrics, the
+engine scrapers, tracing (off by default) and the listeners that hear of every
 verdict and settled ticket (``extproc.gateway.verdict.Listener``: the autoscaling loop; none by
 default). The server maps the ``Verdict`` to Envoy's answer; nothing here knows about Envoy.
 
@@ -101,7 +101,7 @@ from extproc.ledger import Entry, Ledger, Reserved
 from extproc.observability import decisionlog
 from extproc.observability.metrics import Metrics
 from extproc.observability.telemetry import Tracing, annotate
-from extproc.tokens.estimate import TokenCounter, prompt_tokens
+from extproc.tokens.estimate import prompt_tokens
 from extproc.tokens.pricing import Pricing, Uncounted
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,6 @@ class Gate:
         capacity: CapacitySource,
         metrics: Metrics,
         *,
-        counters: Mapping[str, TokenCounter] | None = None,
         engines: Mapping[str, EngineStats] | None = None,
         tracing: Tracing | None = None,
         listeners: Sequence[Listener] = (),
@@ -134,7 +133,7 @@ class Gate:
         self.capacity = capacity
         self.metrics = metrics
         self._clock = clock
-        self.pricing = Pricing(config, metrics, counters)
+        self.pricing = Pricing(config, metrics)  # the pools' token counters, from the config
         self.leases = Leases(ledger, config.ledger, metrics, clock)
         self._labels = Tenants(config.tenant)  # tenant names -> bounded metric labels
         self.learning: dict[str, PoolLearning] = {p.name: learning_for(p) for p in config.pools}

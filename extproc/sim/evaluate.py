@@ -56,9 +56,6 @@ replicas (starting at the fleet's), replicas ready ``AUTOSCALE_PROVISIONING_S`` 
 (the incident keeps its own, compressed with its timeline); scored on goodput and
 replica-minutes together (good completions per replica-minute).
 
-Length: past the house's ~400 lines for the evaluation's whole pipeline, read in order:
-the cells, their runs and scores, tables, the plot and the autoscaling runs.
-
 Length: past the house's ~400 lines with the matrix's three stages in one place (cells and
 the tuned sweep, scoring against the targets, the report and plots); the autoscaling runs at
 the end are the first to move out if it grows.

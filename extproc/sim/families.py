@@ -107,9 +107,6 @@ Fleets (``FLEETS``): ``70b-16`` (4 replicas of Llama-3.3-70B FP8 on 2xH100, ``ma
 16, the incident's), ``70b-vllm`` (4 replicas, vLLM's defaults: 1024 sequences, KV-bound) and
 ``8b-vllm`` (2 replicas of Llama-3.1-8B on one H100). Any family runs on any fleet.
 
-Length: past the house's ~400 lines because a sixth is this docstring; the rest is one
-short function per family over shared draws.
-
 Length: past the house's ~400 lines because it is a catalogue: a sixth is this docstring and
 each family is one short function of its own draws; splitting it would scatter the ranges a
 reader compares side by side.
