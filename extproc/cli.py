@@ -136,14 +136,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from extproc.sim import replay
+    from extproc.sim.scenarios import Rate
 
+    workload = args.scenario if args.trace is None else replay.Trace(
+        args.trace, args.format, _load_config(args.config) if args.config else None,
+        args.replicas, args.max_tokens, args.timeout)
     return replay.run(
-        trace=args.trace, fmt=args.format, scenario=args.scenario,
+        workload, rate=Rate(args.scale, args.rate_x), seed=args.seed,
+        fleet_scale=args.fleet_scale,
         policies=[p.strip() for p in args.policies.split(",") if p.strip()],
-        out=args.out, config=_load_config(args.config) if args.config else None,
-        replicas=args.replicas, scale=args.scale, rate_x=args.rate_x,
-        max_tokens=args.max_tokens, timeout_s=args.timeout, seed=args.seed,
-        fleet_scale=args.fleet_scale, progress=not args.quiet)
+        out=args.out, progress=not args.quiet)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -153,11 +155,11 @@ def _eval(args: argparse.Namespace) -> int:
         return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
     try:
-        return evaluate.main(
-            reduced=args.reduced, scale=args.autoscale, workers=args.jobs, seeds=args.seeds,
-            out=args.out, family_names=names(args.families), fleets=names(args.fleets),
-            loads=args.loads, policies=names(args.policies) or evaluate.POLICIES,
-            progress=not args.quiet)
+        chosen = evaluate.Selection(names(args.families), names(args.fleets), args.loads,
+                                    args.seeds, args.reduced)
+        return evaluate.main(chosen, scale=args.autoscale,
+                             policies=names(args.policies) or evaluate.POLICIES,
+                             workers=args.jobs, out=args.out, progress=not args.quiet)
     except ValueError as exc:
         raise ConfigError([f"eval: {exc}"]) from exc
 

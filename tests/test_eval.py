@@ -25,8 +25,8 @@ AVAILABLE = [f for f in families.FAMILIES if families.missing(f) is None]
 def reduced(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("eval")
     stream = io.StringIO()
-    assert evaluate.main(reduced=True, workers=2, out=str(out), progress=False,
-                         stream=stream) == 0
+    assert evaluate.main(evaluate.Selection(reduced=True), workers=2, out=str(out),
+                         progress=False, stream=stream) == 0
     return stream.getvalue(), json.loads((out / "matrix.json").read_text()), out
 
 
@@ -185,8 +185,8 @@ def test_a_missing_trace_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     monkeypatch.setattr(families, "TRACES", tmp_path)
     stream = io.StringIO()
-    evaluate.main(reduced=True, workers=1, out=None, family_names=["azure-code", "bimodal"],
-                  policies=("default",), progress=False, stream=stream)
+    evaluate.main(evaluate.Selection(["azure-code", "bimodal"], reduced=True), workers=1,
+                  out=None, policies=("default",), progress=False, stream=stream)
     text = stream.getvalue()
     assert "azure-code: skipped" in text
     assert "bimodal/70b-16" in text and "azure-code/" not in text

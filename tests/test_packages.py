@@ -166,3 +166,34 @@ def test_no_product_modules_import_each_other_in_a_circle() -> None:
     assert "extproc.decision.admission" in graph["extproc.decision.step"]
     assert "extproc.observability.decisionlog" in graph["extproc.gateway.gate"]
     assert not _circles(graph)
+
+
+MOST_PARAMETERS = 8  # past it, some of them are one object (docs/architecture.md)
+
+
+def _crowded(tree: ast.Module) -> list[tuple[int, str, int]]:
+    """``(line, name, count)`` of every function taking more than ``MOST_PARAMETERS``
+    (``self`` and ``cls`` not counted; ``*args`` and ``**kwargs`` one each)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            named = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            count = len([n for n in named if n not in ("self", "cls")])
+            count += (a.vararg is not None) + (a.kwarg is not None)
+            if count > MOST_PARAMETERS:
+                found.append((node.lineno, node.name, count))
+    return found
+
+
+def test_the_parameter_counter_counts() -> None:
+    nine = ast.parse("def f(self, a, b, c, d, *e, f, g, h, **i): pass")
+    assert _crowded(nine) == [(1, "f", 9)]
+    assert _crowded(ast.parse("def f(self, a, b, c, d, e, f, g, h): pass")) == []
+
+
+def test_no_product_function_takes_more_than_eight_parameters() -> None:
+    crowded = [f"{path.relative_to(ROOT)}:{line} {name} ({count})"
+               for path in sorted(PRODUCT.rglob("*.py")) if "_proto" not in path.parts
+               for line, name, count in _crowded(ast.parse(path.read_text()))]
+    assert not crowded

@@ -69,9 +69,9 @@ REPLICA_MIN_BOUND = 1.9
 def scenario(key: str, autoscaler: str) -> Scenario:
     if key == "incident":
         return scenarios.incident(fleet_scale=0.25, autoscaler=autoscaler)
-    return scenarios.azure("code", TRACES / "azure-llm-2023-code.csv.gz", rate_x=1.0, replicas=2,
-                           start_s=300.0, duration_s=1200.0, autoscaler=autoscaler,
-                           max_replicas=4, provisioning_s=540.0)
+    return scenarios.azure("code", TRACES / "azure-llm-2023-code.csv.gz",
+                           fleet=scenarios.Fleet(2, autoscaler=autoscaler, max_replicas=4),
+                           start_s=300.0, duration_s=1200.0)
 
 
 def burst_onsets(key: str, sc: Scenario) -> list[float]:

@@ -19,6 +19,7 @@ from extproc.ledger.memory import MemoryLedger
 from extproc.observability import decisionlog
 from extproc.observability.metrics import Metrics
 from extproc.sim import replay, workload
+from extproc.sim.scenarios import Rate
 
 
 def small_trace(path: Path, n: int = 1500, rate: float = 40.0) -> None:
@@ -33,8 +34,9 @@ def test_replay_prints_the_table_and_writes_summary_and_plot(tmp_path: Path) -> 
     trace = tmp_path / "jobs.jsonl"
     small_trace(trace)
     out = io.StringIO()
-    rc = replay.run(trace=str(trace), scale=2.0, replicas=2, out=str(tmp_path / "out"),
-                    policies=["none", "naive", "default"], progress=False, stream=out)
+    rc = replay.run(replay.Trace(str(trace), replicas=2), rate=Rate(load=2.0),
+                    out=str(tmp_path / "out"), policies=["none", "naive", "default"],
+                    progress=False, stream=out)
     assert rc == 0
     text = out.getvalue()
     for word in ("goodput", "SLO attainment", "TTFT", "GPU-s wasted", "none", "default"):
@@ -57,11 +59,15 @@ def test_the_cli_runs_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "unknown nope" in capsys.readouterr().err
 
 
-def test_replay_refuses_contradictory_arguments() -> None:
-    with pytest.raises(ConfigError, match="exactly one"):
-        replay.run(progress=False)
+def test_replay_refuses_contradictory_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match="at most one"):
-        replay.run(scenario="bursty", scale=2.0, rate_x=2.0, progress=False)
+        Rate(load=2.0, rate_x=2.0)
+    with pytest.raises(SystemExit):  # argparse: one of --trace and --scenario, at most one rate
+        cli.main(["replay", "--scenario", "bursty", "--scale", "2", "--rate-x", "2"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["replay"])
+    assert "one of the arguments --trace --scenario is required" in capsys.readouterr().err
 
 
 def test_replay_keeps_every_key_of_the_gateways_configuration(tmp_path: Path) -> None:
@@ -72,8 +78,8 @@ def test_replay_keeps_every_key_of_the_gateways_configuration(tmp_path: Path) ->
         "classes": {"latency": {"deadline_ms": 7_000, "ttft_ms": 900, "safety_factor": 0.7}},
         "pools": [{"name": "gpu", "replicas": 3, "expected_output_tokens": 40,
                    "engine": {"max_num_seqs": 8, "num_gpu_blocks": 999}}]})
-    sc = replay.from_file(str(trace), fmt=None, config=mine, replicas=None, scale=2.0,
-                          rate_x=None, max_tokens=None, timeout_s=30.0, seed=0)
+    sc = replay.from_file(replay.Trace(str(trace), config=mine, timeout_s=30.0),
+                          rate=Rate(load=2.0))
     assert sc.config.infeasible is config.Infeasible.REJECT
     assert sc.config.retry_after == mine.retry_after
     assert sc.config.classes["latency"] == mine.classes["latency"]
@@ -86,13 +92,13 @@ def test_replay_refuses_what_it_cannot_simulate(tmp_path: Path) -> None:
     small_trace(trace, n=50)
     two = config.from_mapping({"pools": [{"name": "a"}, {"name": "b"}]})
     with pytest.raises(ConfigError, match="replay simulates one pool"):
-        replay.run(trace=str(trace), config=two, progress=False)
+        replay.run(replay.Trace(str(trace), config=two), progress=False)
     other_class = config.from_mapping({"classes": {"gold": {"deadline_ms": 1000}},
                                        "routes": [{"path": "/v1/x", "class": "gold"}]})
     jobs = tmp_path / "batch.jsonl"
     workload.write_jsonl([workload.Job(0.0, 10, 10, service_class="bronze")], jobs)
     with pytest.raises(ConfigError, match="class 'bronze' is not configured"):
-        replay.run(trace=str(jobs), config=other_class, progress=False)
+        replay.run(replay.Trace(str(jobs), config=other_class), progress=False)
 
 
 def gate_with_log(path: Path, mode: str) -> tuple[Gate, config.Config]:
@@ -167,7 +173,7 @@ def test_a_decision_log_replays_as_a_workload(tmp_path: Path) -> None:
     assert jobs[1].output_tokens == round((901 - 501 * 0.08) / 31.2)  # from the duration
     assert jobs[0].output_tokens == 256  # no duration: the charge
     out = io.StringIO()
-    assert replay.run(trace=str(log), policies=["none", "default"], progress=False,
+    assert replay.run(replay.Trace(str(log)), policies=["none", "default"], progress=False,
                       stream=out) == 0
     assert "default" in out.getvalue()
 

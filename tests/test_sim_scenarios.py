@@ -101,7 +101,7 @@ def test_admission_beats_slot_counting_and_the_articles_formula(
 
 def test_an_hour_of_the_conversation_trace_runs_in_seconds() -> None:
     jobs = read_azure(TRACES / "azure-llm-2023-conv.csv.gz", max_tokens=1024)
-    sc = scenarios.replay("conv-hour", jobs, replicas=4, rate_x=1.0)
+    sc = scenarios.replay("conv-hour", jobs)
     started = time.process_time()
     result = simulate(sc, policies.make("default"))
     elapsed = time.process_time() - started

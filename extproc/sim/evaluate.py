@@ -503,13 +503,29 @@ def autoscale_table(rows: Sequence[Record]) -> str:
 
 # ---- the command --------------------------------------------------------------------------
 
-def main(*, reduced: bool = False, scale: bool = False, workers: int = 0, seeds: int = 1,
-         out: str | None = "out/eval", family_names: Sequence[str] | None = None,
-         fleets: Sequence[str] | None = None, loads: Sequence[float] | None = None,
-         policies: Sequence[str] = POLICIES, progress: bool = True,
-         stream: TextIO | None = None) -> int:
+@dataclass(frozen=True)
+class Selection:
+    """Which cells ``extproc eval`` runs: the families (None: every one), the fleets (None:
+    every one; the reduced matrix and the autoscaling section take the first given), the
+    loads (None: ``LOADS``) and seeds; ``reduced``: one small cell per family."""
+
+    families: Sequence[str] | None = None
+    fleets: Sequence[str] | None = None
+    loads: Sequence[float] | None = None
+    seeds: int = 1
+    reduced: bool = False
+
+
+EVERY_CELL = Selection()
+
+
+def main(selection: Selection = EVERY_CELL, *, scale: bool = False,
+         policies: Sequence[str] = POLICIES, workers: int = 0, out: str | None = "out/eval",
+         progress: bool = True, stream: TextIO | None = None) -> int:
     """``extproc eval``: the matrix (or, with ``scale``, the autoscaling section)."""
     stream = stream if stream is not None else sys.stdout
+    family_names, fleets, loads = selection.families, selection.fleets, selection.loads
+    seeds, reduced = selection.seeds, selection.reduced
     chosen = list(family_names) if family_names else list(families.FAMILIES)
     unknown = [f for f in chosen if f not in families.FAMILIES]
     unknown += [f for f in fleets or () if f not in families.FLEETS]

@@ -125,10 +125,10 @@ from typing import Any, Protocol
 
 from extproc.config import TenantConfig, TenantSource
 from extproc.decision.share import CRITICAL, SHEDDABLE, STANDARD
-from extproc.fleet.engine import LLAMA_8B_1XH100, LLAMA_70B_FP8_2XH100, EngineModel
+from extproc.fleet.engine import LLAMA_8B_1XH100, LLAMA_70B_FP8_2XH100
 from extproc.sim import scenarios
 from extproc.sim.clients import ClientModel
-from extproc.sim.scenarios import Scenario
+from extproc.sim.scenarios import Fleet, Rate, Scenario
 from extproc.sim.workload import (
     CONVERSATION,
     Job,
@@ -148,20 +148,10 @@ PROBE = 2000  # jobs drawn to measure a mix's capacity
 Params = dict[str, float | int | str]
 
 
-@dataclass(frozen=True)
-class Fleet:
-    name: str
-    engine: EngineModel
-    replicas: int
-
-    def capacity_rps(self, jobs: Sequence[Job]) -> float:
-        return scenarios.capacity_rps(self.engine, self.replicas, jobs)
-
-
 FLEETS: dict[str, Fleet] = {f.name: f for f in (
-    Fleet("70b-16", dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=16), 4),
-    Fleet("70b-vllm", LLAMA_70B_FP8_2XH100, 4),
-    Fleet("8b-vllm", LLAMA_8B_1XH100, 2),
+    Fleet(4, dataclasses.replace(LLAMA_70B_FP8_2XH100, max_num_seqs=16), name="70b-16"),
+    Fleet(4, LLAMA_70B_FP8_2XH100, name="70b-vllm"),
+    Fleet(2, LLAMA_8B_1XH100, name="8b-vllm"),
 )}
 
 
@@ -241,15 +231,13 @@ def _probe(family: str, seed: int, prompt: LogNormal, output: LogNormal,
 
 
 def _scenario(family: str, d: _Draws, load: float, fleet: Fleet, jobs: list[Job],
-              classes: dict[str, Any], clients: ClientModel, streaming: bool,
-              **replay: Any) -> Drawn:
+              classes: dict[str, Any], clients: ClientModel, streaming: bool) -> Drawn:
     """The scenario for ``jobs`` as they are (their arrivals already at the drawn rate), with
     the parameters ``d`` drew for them."""
     seed, params = d.seed, d.params
     jobs.sort(key=lambda j: j.arrival_s)
     name = f"{family}-{load:g}x-s{seed}-{fleet.name}"
-    sc = scenarios.replay(name, jobs, replicas=fleet.replicas, rate_x=1.0, engine=fleet.engine,
-                          classes=classes, clients=clients, seed=seed, **replay)
+    sc = scenarios.replay(name, jobs, fleet=fleet, classes=classes, clients=clients, seed=seed)
     described = ", ".join(f"{k}={v}" for k, v in params.items())
     sc = dataclasses.replace(sc, engine_aborts=streaming,
                              description=f"{family} at {load:g}x on {fleet.name}: {described}")
@@ -455,8 +443,8 @@ def _azure(kind: str, seed: int, load: float, fleet: Fleet, size: float) -> Draw
         classes, streaming = scenarios.AZURE_CLASSES["code"], False
         clients = ClientModel(timeout_s=d.uniform("timeout_s", 10, 60))
     name = f"{family}-{load:g}x-s{seed}-{fleet.name}"
-    sc = scenarios.replay(name, jobs, replicas=fleet.replicas, load=load, engine=fleet.engine,
-                          classes=classes, clients=clients, seed=seed)
+    sc = scenarios.replay(name, jobs, fleet=fleet, rate=Rate(load=load), classes=classes,
+                          clients=clients, seed=seed)
     described = ", ".join(f"{k}={v}" for k, v in d.params.items())
     sc = dataclasses.replace(sc, engine_aborts=streaming,
                              description=f"{family} at {load:g}x on {fleet.name}: {described}")

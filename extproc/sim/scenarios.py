@@ -111,30 +111,65 @@ def _config(replicas: int, classes: dict[str, Any], engine: EngineModel,
     })
 
 
-def replay(name: str, jobs: Sequence[Job], *, replicas: int = 4, load: float | None = None,
-           rate_x: float | None = None, engine: EngineModel = ENGINE,
-           classes: dict[str, Any] | None = None, clients: ClientModel | None = None,
-           seed: int = 0, autoscaler: str | None = None, max_replicas: int | None = None,
-           provisioning_s: float = 540.0) -> Scenario:
-    """A fleet serving ``jobs``, time-scaled to ``load`` x capacity or by ``rate_x``. Fixed,
-    or with ``autoscaler`` (``autoscaler.AUTOSCALERS``) between ``replicas`` and
-    ``max_replicas`` (default twice as many), new replicas ready ``provisioning_s`` later."""
-    span = max((j.arrival_s for j in jobs), default=0.0)
-    if load is not None:
+@dataclass(frozen=True)
+class Fleet:
+    """The replicas a scenario runs on: ``replicas`` of ``engine``, fixed, or scaled by
+    ``autoscaler`` (a name of ``autoscaler.AUTOSCALERS``) between ``replicas`` and
+    ``max_replicas`` (None: twice as many), a new replica ready ``provisioning_s`` after it is
+    asked for; ``name`` labels it in the evaluation's cells."""
+
+    replicas: int = 4
+    engine: EngineModel = ENGINE
+    autoscaler: str | None = None
+    max_replicas: int | None = None
+    provisioning_s: float = 540.0
+    name: str = ""
+
+    def capacity_rps(self, jobs: Sequence[Job]) -> float:
+        return capacity_rps(self.engine, self.replicas, jobs)
+
+
+@dataclass(frozen=True)
+class Rate:
+    """How fast a trace is replayed: ``load`` x the fleet's capacity, or ``rate_x`` x its own
+    rate (at most one of them; neither: as recorded)."""
+
+    load: float | None = None
+    rate_x: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.load is not None and self.rate_x is not None:
+            raise ConfigError(["give at most one of --scale and --rate-x"])
+
+    def factor(self, fleet: Fleet, jobs: Sequence[Job]) -> float:
+        """What the trace's arrival rate is multiplied by."""
+        if self.load is None:
+            return self.rate_x or 1.0
+        span = max((j.arrival_s for j in jobs), default=0.0)
         offered = len(jobs) / span if span else 0.0
-        rate_x = load * capacity_rps(engine, replicas, jobs) / offered if offered else 1.0
-    rate_x = rate_x or 1.0
+        return self.load * fleet.capacity_rps(jobs) / offered if offered else 1.0
+
+
+AS_RECORDED = Rate()  # a trace at its own rate
+
+
+def replay(name: str, jobs: Sequence[Job], *, fleet: Fleet = Fleet(), rate: Rate = AS_RECORDED,
+           classes: dict[str, Any] | None = None, clients: ClientModel | None = None,
+           seed: int = 0) -> Scenario:
+    """A ``fleet`` serving ``jobs`` at ``rate``."""
+    rate_x = rate.factor(fleet, jobs)
     scaled = [dataclasses.replace(j, arrival_s=j.arrival_s / rate_x) for j in jobs]
     classes = classes or CHAT_CLASSES
     for cls in {j.service_class for j in scaled} - set(classes):
         raise ConfigError([f"class {cls!r} of the trace is not configured"])
-    top = max_replicas if max_replicas is not None else 2 * replicas
+    replicas, engine, autoscaler = fleet.replicas, fleet.engine, fleet.autoscaler
+    top = fleet.max_replicas if fleet.max_replicas is not None else 2 * replicas
     return Scenario(
         name=name, jobs=scaled, config=_config(replicas, classes, engine), engine=engine,
         replicas=replicas, clients=clients or ClientModel(timeout_s=60.0), seed=seed,
-        autoscaler=_autoscaler(autoscaler, replicas, top), provisioning_s=provisioning_s,
+        autoscaler=_autoscaler(autoscaler, replicas, top), provisioning_s=fleet.provisioning_s,
         description=f"{len(jobs)} requests at {rate_x:.2f}x the trace's rate"
-        + (f" ({load:g}x fleet capacity)" if load is not None else "")
+        + (f" ({rate.load:g}x fleet capacity)" if rate.load is not None else "")
         + f", {replicas} replicas of {engine.max_num_seqs} slots"
         + (f", autoscaler {autoscaler} up to {top}" if autoscaler else ""),
     )
@@ -149,20 +184,18 @@ def _autoscaler(name: str | None, low: int, high: int
     return lambda: autoscaler_mod.make(name, min_replicas=low, max_replicas=high)
 
 
-def azure(trace: str, path: str | os.PathLike[str], *, load: float | None = None,
-          rate_x: float | None = None, replicas: int = 4, start_s: float = 0.0,
-          duration_s: float | None = None, seed: int = 0, autoscaler: str | None = None,
-          max_replicas: int | None = None, provisioning_s: float = 540.0) -> Scenario:
-    """An Azure 2023 trace (``conv`` or ``code``) at ``load`` x fleet capacity (or ``rate_x``
-    x its own rate), optionally cut to ``duration_s`` from ``start_s``. Clients send
-    ``max_tokens`` above the trace's longest output, so no output is cut."""
+def azure(trace: str, path: str | os.PathLike[str], *, rate: Rate = AS_RECORDED,
+          fleet: Fleet = Fleet(), start_s: float = 0.0, duration_s: float | None = None,
+          seed: int = 0) -> Scenario:
+    """An Azure 2023 trace (``conv`` or ``code``) at ``rate``, optionally cut to
+    ``duration_s`` from ``start_s``. Clients send ``max_tokens`` above the trace's longest
+    output, so no output is cut."""
     jobs = read_azure(path, max_tokens=AZURE_MAX_TOKENS.get(trace), start_s=start_s,
                       duration_s=duration_s)
-    scale = f"{load:g}x" if load is not None else f"r{rate_x or 1:g}x"
-    return replay(f"azure-{trace}-{scale}" + (f"-{autoscaler}" if autoscaler else ""), jobs,
-                  replicas=replicas, load=load, rate_x=rate_x, seed=seed,
-                  classes=AZURE_CLASSES.get(trace), autoscaler=autoscaler,
-                  max_replicas=max_replicas, provisioning_s=provisioning_s)
+    scale = f"{rate.load:g}x" if rate.load is not None else f"r{rate.rate_x or 1:g}x"
+    named = f"azure-{trace}-{scale}" + (f"-{fleet.autoscaler}" if fleet.autoscaler else "")
+    return replay(named, jobs, fleet=fleet, rate=rate, seed=seed,
+                  classes=AZURE_CLASSES.get(trace))
 
 
 # ---- the reference incident --------------------------------------------------------------
@@ -238,7 +271,7 @@ def bursty(*, load: float = 1.5, replicas: int = 4, duration_s: float = 900.0,
     share_on = (mean_rate - off) / (on - off)
     arrivals = on_off_arrivals(on, off, 20.0, 20.0 * (1 - share_on) / share_on, duration_s, rng)
     return replay(f"bursty-{load:g}x", synthetic(arrivals, _with_max(CONVERSATION, 1024), rng),
-                  replicas=replicas, rate_x=1.0, seed=seed)
+                  fleet=Fleet(replicas), seed=seed)
 
 
 def _with_max(mix: Mix, max_tokens: int) -> Mix:
