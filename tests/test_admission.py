@@ -194,13 +194,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decodes() -> None:
 def test_batch_work_takes_only_free_slots_beyond_the_interactive_reserve() -> None:
     batch = Policy(deadline_ms=600_000, safety_factor=0.9, batch=True)
     cost = Cost(100, 100, 50.0, 100.0)
-    reserved = dataclasses.replace(CAP, reserved=3.0)
-    assert decide(cost, Snapshot(4, 400), reserved, batch, now=0.0).admitted  # 5 + 3 <= 8
-    refused = decide(cost, Snapshot(5, 500), reserved, batch, now=0.0)  # 6 + 3 > 8
+    held = dataclasses.replace(CAP, headroom=3.0)
+    assert decide(cost, Snapshot(4, 400), held, batch, now=0.0).admitted  # 5 + 3 <= 8
+    refused = decide(cost, Snapshot(5, 500), held, batch, now=0.0)  # 6 + 3 > 8
     assert (refused.outcome, refused.reason) == (Outcome.REJECT, Reason.NO_CAPACITY)
     assert refused.retry_after_ms is not None and refused.retry_after_ms > 0
-    # an interactive request is not held back by the reserve
-    assert decide(cost, Snapshot(5, 500), reserved, LATENCY, now=0.0).admitted
+    # an interactive request is not held back by the headroom
+    assert decide(cost, Snapshot(5, 500), held, LATENCY, now=0.0).admitted
 
 
 def test_rejection_says_when_it_would_fit() -> None:

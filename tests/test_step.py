@@ -161,8 +161,8 @@ def test_batch_requests_leave_the_interactive_reserve_alone() -> None:
         learning.arrived("latency", False, float(t))
         learning.settled(Running("latency", t - 4.0, deadline_s=10.0), completed=True,
                          now=float(t))
-    reserve = learning.demand.needed(600.0)
-    assert reserve == pytest.approx(2 + 2 * 2 ** 0.5, rel=0.15)  # of 8 slots
+    headroom = learning.demand.needed(600.0)
+    assert headroom == pytest.approx(2 + 2 * 2 ** 0.5, rel=0.15)  # of 8 slots
     batch = Ask("throughput", 500, 200)
     assert admit(batch, POOL, RULES, learning, IDLE, 2, 600.0).outcome is Outcome.ADMIT
     busy = admit(batch, POOL, RULES, learning, Snapshot(3, 3_000), 2, 600.0)
@@ -171,10 +171,10 @@ def test_batch_requests_leave_the_interactive_reserve_alone() -> None:
                  600.0).outcome is Outcome.ADMIT
 
 
-def test_interactive_requests_in_flight_fill_the_batch_reserve_not_beside_it() -> None:
-    # The reserve is what interactive demand holds in flight (2) plus its swing; the pool's
+def test_interactive_requests_in_flight_fill_the_batch_headroom_not_beside_it() -> None:
+    # The headroom is what interactive demand holds in flight (2) plus its swing; the pool's
     # in-flight count already has the interactive requests running now. With 3 in flight of
-    # 8 slots, 2 of them interactive: 1 batch + this one + the reserve (~4.8) fit. Counted
+    # 8 slots, 2 of them interactive: 1 batch + this one + the headroom (~4.8) fit. Counted
     # twice (3 + 1 + 4.8 > 8), the batch request was refused on a pool that had room for it.
     learning = learning_for(POOL)
     for t in range(0, 600, 2):
@@ -186,20 +186,20 @@ def test_interactive_requests_in_flight_fill_the_batch_reserve_not_beside_it() -
     assert admit(batch, POOL, RULES, learning, three, 2, 600.0).reason is Reason.NO_CAPACITY
     for _ in range(2):
         learning.admitted(Running("latency", 600.0, prompt_tokens=500))
-    assert learning.batch_reserve(RULES, 600.0) == pytest.approx(
+    assert learning.headroom(RULES, 600.0) == pytest.approx(
         learning.demand.needed(600.0) - 2)
     assert admit(batch, POOL, RULES, learning, three, 2, 600.0).outcome is Outcome.ADMIT
     # ... and never below nothing: interactive requests beyond their demand leave no credit
     for _ in range(6):
         learning.admitted(Running("latency", 600.0, prompt_tokens=500))
-    assert learning.batch_reserve(RULES, 600.0) == 0.0
+    assert learning.headroom(RULES, 600.0) == 0.0
 
 
-def test_the_batch_reserve_counts_the_kv_of_the_interactive_requests_running_now_in_full() -> None:
+def test_the_batch_headroom_counts_the_kv_of_the_interactive_requests_running_now_in_full() -> None:
     # Their slots count once, their KV cache does not: what runs now grows as it decodes, and
-    # the crowd-out check keeps the whole reserve's KV as its margin. On a KV-bound pool with
-    # 2 interactive requests running, a batch request that would leave the reserve's KV
-    # (5 requests of the pool's mean) no room is refused, though 1 batch + it + the reserve
+    # the crowd-out check keeps the whole headroom's KV as its margin. On a KV-bound pool with
+    # 2 interactive requests running, a batch request that would leave the headroom's KV
+    # (5 requests of the pool's mean) no room is refused, though 1 batch + it + the headroom
     # less those 2 would fit (counted once in KV too, it was admitted up to 5,200 tokens a
     # request; on 8b-vllm the latency class was then refused for KV: docs/admission.md).
     config = config_mod.from_mapping({

@@ -96,7 +96,7 @@ never refused by an idle fleet (a fresh pool whose prior expects long answers wo
 refuse everything, and learn nothing).
 
 Batch classes (``Policy.batch``) take only capacity the interactive classes do not need:
-``Capacity.reserved`` slots (from the interactive classes' measured demand,
+``Capacity.headroom`` slots (from the interactive classes' measured demand,
 ``extproc.decision.learning.Demand``) are held back, and a batch request is admitted only into a
 free slot beyond them (it never queues in front of an interactive request in the engines' FIFO).
 
@@ -247,7 +247,7 @@ class Capacity:
     engine: EngineModel = field(default_factory=EngineModel)
     mix: Mix = field(default_factory=Mix)
     wait_quantile: float = 0.97  # how sure the predicted wait must be (see the docstring)
-    reserved: float = 0.0  # slots held for interactive demand (batch requests only)
+    headroom: float = 0.0  # slots held back for interactive demand (batch requests only)
     wait_z: float = field(init=False, repr=False, compare=False)  # its normal quantile
 
     def __post_init__(self) -> None:
@@ -451,12 +451,12 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     completion_ms = ttft_ms + rounds(cost, per_replica) * promised * step_ms
     finish_at = now + completion_ms / 1000.0
 
-    if policy.batch and position + capacity.reserved > 0:
+    if policy.batch and position + capacity.headroom > 0:
         # Batch work only takes a free slot beyond what interactive demand needs.
         slot_ms = mean_ms / max(per_replica, 1)
         return Decision(Outcome.REJECT, Reason.NO_CAPACITY, charge, wait_ms, ttft_ms,
                         completion_ms, budget, finish_at,
-                        retry_after_ms=max(slot_ms, (position + capacity.reserved) * slot_ms
+                        retry_after_ms=max(slot_ms, (position + capacity.headroom) * slot_ms
                                            / replicas),
                         position=position, step_ms=step_ms)
 

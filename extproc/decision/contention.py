@@ -6,14 +6,14 @@ admitted).
 - ``caps`` / ``at_cap``: a tenant's hard caps, checked on the ledger's snapshot (refused
   ``TENANT_CAP``) and handed to the ledger's atomic reserve.
 - ``room_for_others``: an admitted request of a lower priority, or of a tenant over its share
-  of a contended pool, must still fit after the reserve kept for the traffic it must not crowd
+  of a contended pool, must still fit after the headroom kept for the traffic it must not crowd
   out (refused ``PRIORITY`` or ``FAIR_SHARE``); otherwise its ledger checks are tightened by
   that room. Shares are of what the model admits, and what the measured level admits past
   the model (``extproc.decision.level``) goes only to tenants within their share: a burst asks most,
   and would otherwise take the level's probes (measured: a steady tenant kept 0.51x its
   goodput alone beside a neighbour's burst on 70b-16 at 1.5x, 1.0x now).
 - ``admission_limit``: the most requests the pool holds while one like this is still admitted,
-  the level shares are counted against and the reserve's departures are measured at.
+  the level shares are counted against and the headroom's departures are measured at.
 
 ``Scene`` is what one decision sees of its pool, handed down whole.
 """
@@ -38,7 +38,7 @@ from extproc.decision.learning import PoolLearning
 from extproc.decision.level import measured
 from extproc.decision.rules import Rules
 from extproc.decision.share import (
-    RESERVE_Z,
+    HEADROOM_Z,
     level_of,
     over_share,
     places,
@@ -184,11 +184,11 @@ def _kept(protected: list[str], decision: Decision, learning: PoolLearning,
     Departures are measured on what runs (Little's law: each priority's requests in flight,
     the ledger's count, over their mean time in flight), scaled to the limit. Not on what
     asks: a flood of refused sheddable requests departs nothing, and weighing the pool's
-    time in flight by arrivals once let a sheddable flood at 3x turn the reserve kept for
+    time in flight by arrivals once let a sheddable flood at 3x turn the headroom kept for
     critical requests into more than the whole limit (133 places of 108 on 70b-vllm), so
     that standard requests kept 0.28x of their goodput alone while the pool half idled."""
     horizon_s = decision.completion_ms / 1000.0
-    rate = sum(learning.flows[g].rate(now, RESERVE_Z) for g in protected) / share
+    rate = sum(learning.flows[g].rate(now, HEADROOM_Z) for g in protected) / share
     running = [(n, (flow.duration_s if (flow := learning.flows.get(g)) else 0.0) or horizon_s)
                for g, (n, _) in snapshot.groups.items() if level_of(g) is not None and n > 0]
     inflight = sum(n for n, _ in running)
@@ -197,7 +197,7 @@ def _kept(protected: list[str], decision: Decision, learning: PoolLearning,
     else:
         departures = max(limit, 1) / horizon_s if horizon_s > 0 else math.inf
     arrives = -math.expm1(-rate * horizon_s)  # the chance one comes while this one runs
-    return math.ceil(places(rate, departures, horizon_s) + RESERVE_Z * swing * arrives - 1e-9)
+    return math.ceil(places(rate, departures, horizon_s) + HEADROOM_Z * swing * arrives - 1e-9)
 
 
 def admission_limit(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,

@@ -55,7 +55,7 @@ requests meet the target, hence all of them together do.
 (every request, admitted or not: the demand, not what was let in) and mean time in flight
 ``T`` (from their streams' ends), both decayed over ``DEMAND_MEMORY_S``. By Little's law they
 keep ``λ T`` requests in flight; the batch classes may use only what is left beyond ``λ T +
-2 sqrt(λ T)`` (two standard deviations of a Poisson count) slots: a reserve that follows the
+2 sqrt(λ T)`` (two standard deviations of a Poisson count) slots: headroom that follows the
 interactive load instead of a fixed split.
 
 **Lengths per class.** The pool's output lengths (``extproc.decision.lengths``) come from the
@@ -374,7 +374,7 @@ class PoolLearning:
         return [c for c, n in self._asked.items()
                 if n >= CLASS_SHARE * total and rules.interactive(c)]
 
-    def batch_reserve(self, rules: Rules, now: float) -> float:
+    def headroom(self, rules: Rules, now: float) -> float:
         """Slots a batch request must leave free beyond those it takes: what the interactive
         classes need (``Demand.needed``) less what their requests hold now, which the pool's
         in-flight count already has. A read."""
@@ -534,7 +534,7 @@ class PoolLearning:
 
     def arrived(self, service_class: str, batch: bool, now: float,
                 prompt_tokens: int | None = None, groups: tuple[str, ...] = ()) -> None:
-        """A request asked (admitted or not): it is demand, for the batch classes' reserve if
+        """A request asked (admitted or not): it is demand, for the headroom batch work leaves if
         its class is interactive, and for its groups' (priority, tenant:
         ``extproc.decision.share``); it counts its class as served; its prompt is the traffic's (the
         mix is what asks, not what was let in: a mix of what was let in would follow the decisions

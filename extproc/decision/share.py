@@ -11,7 +11,7 @@ arrival rate and time in flight (``extproc.decision.learning.Demand``).
 **Priority.** A level is an integer, higher first; ``critical`` is 1, ``standard`` 0,
 ``sheddable`` -1. The engines serve first come, first served, so a request already waits
 behind everything in flight, whatever its priority; ``decide`` accounts for that. What a
-priority adds is a *reserve*: a request is admitted only if it would also fit after the
+priority adds is *headroom*: a request is admitted only if it would also fit after the
 requests of every higher priority expected to arrive while it runs. A request of the highest
 priority present is refused only when it would miss its own deadline.
 
@@ -19,11 +19,11 @@ priority present is refused only when it would miss its own deadline.
 included, exceeds what the pool's slots hold), each tenant is entitled to its weighted max-min
 share of that work: the water level ``L`` with ``sum_i min(W_i, w_i L) = C``. A tenant whose
 outstanding work with this request exceeds ``w L`` is over its share, and its request must also
-leave room for the tenants under their share: the same reserve, for their expected arrivals.
+leave room for the tenants under their share: the same headroom, for their expected arrivals.
 Shares are in GPU time (the ledger's cost), not in requests: a tenant of long prompts does not
 get more of the fleet by sending fewer, larger requests.
 
-**The reserve.** Requests are admitted while the engines' queues hold fewer than some limit
+**The headroom.** Requests are admitted while the engines' queues hold fewer than some limit
 (what ``decide`` finds still meets a deadline). A demoted request is admitted only below that
 limit less ``r`` places: the room kept for the protected traffic, arriving at ``lambda`` a
 second. Freed slots go to whoever asks first, and under overload demoted requests always ask;
@@ -38,7 +38,7 @@ mu``, and a protected request is refused only then. So::
 never more than the protected arrivals expected while the demoted request runs, ``T``, with two
 standard deviations (``lambda T + 2 sqrt(lambda T)``), which is also ``r`` when the protected
 traffic alone would keep the pool busy (``rho >= 1``). Measured, not a fixed split: with no
-protected traffic the reserve is zero and a single tenant or priority takes the whole fleet;
+protected traffic the headroom is zero and a single tenant or priority takes the whole fleet;
 with a trickle it is a place or two.
 """
 
@@ -52,8 +52,8 @@ CRITICAL, STANDARD, SHEDDABLE = 1, 0, -1
 LEVELS = {"critical": CRITICAL, "standard": STANDARD, "sheddable": SHEDDABLE}
 LABELS = {v: k for k, v in LEVELS.items()}
 MAX_LEVEL = 100  # levels are -100..100: a metric label each, so a bounded set
-RESERVE_Z = 2.0  # standard deviations of Poisson arrivals the reserve adds
-MISS = 0.01  # the chance a protected request finds its reserve full
+HEADROOM_Z = 2.0  # standard deviations of Poisson arrivals the headroom adds
+MISS = 0.01  # the chance a protected request finds its headroom full
 
 
 def parse_priority(value: object) -> int | None:
@@ -103,7 +103,7 @@ def places(rate: float, departures: float, horizon_s: float) -> float:
     if rate <= 0 or horizon_s <= 0:
         return 0.0
     arrivals = rate * horizon_s
-    most = arrivals + RESERVE_Z * math.sqrt(arrivals)
+    most = arrivals + HEADROOM_Z * math.sqrt(arrivals)
     rho = rate / departures if departures > 0 else math.inf
     if rho >= 1.0:
         return most

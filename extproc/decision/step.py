@@ -3,7 +3,7 @@
 ``admit`` is everything between a parsed, counted request and its verdict that is policy and
 not I/O: the class policy and the client's deadline header, the model's context length, the
 request's cost from the pool's learned output lengths and its promise, the capacity the
-decision sees (the engine, the learned mix, the interactive reserve for batch classes), the
+decision sees (the engine, the learned mix, the interactive headroom for batch classes), the
 engines' correction, ``decide`` itself, what becomes of an infeasible request, the Retry-After
 hint, the lease and the ledger's ceiling. The gateway (``extproc.gateway.gate``) adds the I/O around
 it (counting tokens, the ledger's snapshot and atomic reserve, metrics, logs, traces); the
@@ -33,10 +33,10 @@ What becomes of a request, beyond ``decide``:
     in the ledger like any request), and otherwise gets a 429: it never waits in a queue in
     front of admitted work, nor slows the interactive classes past their objectives.
 - **batch work** (a class with ``batch: true``) is admitted only into a free slot beyond the
-  interactive classes' reserve (their measured demand in flight,
+  interactive classes' headroom (their measured demand in flight,
   ``extproc.decision.learning.Demand``, less the interactive requests running now, which the pool's
   count already holds), and only if a typical request of each interactive class the pool serves,
-  arriving after it and after the reserve, would still be admitted: batch work takes only the
+  arriving after it and after the headroom, would still be admitted: batch work takes only the
   capacity the interactive classes do not need for their objectives, slots and step time alike;
 - **priorities, fair shares and tenant caps** (``extproc.decision.contention``): a tenant at a hard
 cap
@@ -226,10 +226,10 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
 
 
 def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
-                 reserved: float = 0.0) -> Capacity:
+                 headroom: float = 0.0) -> Capacity:
     """What ``decide`` sees of the pool: its replicas, their engine, the learned mix."""
     return Capacity(replicas=replicas, engine=pool.engine, mix=learning.mix(),
-                    wait_quantile=pool.wait_quantile, reserved=reserved)
+                    wait_quantile=pool.wait_quantile, headroom=headroom)
 
 
 def prefill_rate(capacity: Capacity) -> float:
@@ -266,7 +266,7 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
                          error=too_long)
 
     capacity = capacity_for(pool, replicas, learning,
-                            learning.batch_reserve(rules, now) if policy.batch else 0.0)
+                            learning.headroom(rules, now) if policy.batch else 0.0)
     # The prefill backlog is this gateway's; behind several gateways it is the share of the
     # ledger's requests this one holds: the fleet's is that scaled up, draining at the
     # fleet's rate (this one's share of it drains at the same share of the rate).
@@ -292,7 +292,7 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
                 "request cannot finish within its deadline even on an idle fleet; lower"
                 " max_tokens or raise the deadline", code="deadline_infeasible")
             outcome = Outcome.INVALID
-        elif decision.position + capacity.reserved > 0 and not correction.idle:
+        elif decision.position + capacity.headroom > 0 and not correction.idle:
             # Passing it would queue it in front of admitted work: only a free slot will do
             # (its own replica idle, as its engine reported, is one:
             # ``extproc.decision.level.measured``).
@@ -386,27 +386,27 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool,
     """A batch request (or an infeasible one passed) is admitted only if the interactive
     classes' own requests would still be: for each interactive class the pool serves, a
     request of its typical size arriving after this one (its prompt prefilled first) and after
-    the reserve (its measured demand in flight) must pass its own decision. Otherwise it is
+    the headroom (its measured demand in flight) must pass its own decision. Otherwise it is
     refused (``NO_CAPACITY``): the room is the interactive classes'. Returns the refusal, or
     None."""
     rules, learning, snapshot, capacity, now = (
         scene.rules, scene.learning, scene.snapshot, scene.capacity, scene.now)
     n = snapshot.inflight
     # A slot is held once: the interactive requests running now hold theirs in ``n``, and the
-    # batch reserve is what they need beyond it (``PoolLearning.batch_reserve``). Their work
-    # and KV count in full: what runs now grows as it decodes, and the reserve's share of it
+    # batch headroom is what they need beyond it (``PoolLearning.headroom``). Their work
+    # and KV count in full: what runs now grows as it decodes, and the headroom's share of it
     # is the margin (without it, on a KV-bound fleet, batch work filled the KV cache the
     # latency class needed: docs/admission.md).
-    reserve = math.ceil(capacity.reserved)
+    headroom = math.ceil(capacity.headroom)
     batch = rules.classes[ask.service_class].batch  # (else: an infeasible request passed)
     grows = math.ceil(learning.demand.needed(now)) if batch else 0
     mean_ms = (snapshot.outstanding_ms / n) if n else decision.charge_ms
     mean_kv = (snapshot.kv_tokens / n) if n else cost.kv
-    after = Snapshot(n + cost.sequences + reserve,
+    after = Snapshot(n + cost.sequences + headroom,
                      snapshot.outstanding_ms + decision.charge_ms + grows * mean_ms,
                      round(snapshot.kv_tokens + cost.kv + grows * mean_kv),
                      snapshot.prefill_tokens + cost.prompt_tokens)
-    plain = dataclasses.replace(capacity, reserved=0.0)
+    plain = dataclasses.replace(capacity, headroom=0.0)
     prompt = round(capacity.mix.prompt_tokens)
     for other in learning.interactive_classes(rules):
         probe = cost_of(Ask(other, prompt, None), pool, learning)
