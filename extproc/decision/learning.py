@@ -453,7 +453,7 @@ class PoolLearning:
             if tokens > 1.0:
                 pool.append(tokens)
                 by_class.setdefault(r.service_class, []).append(tokens)
-        self._views = {cls: self._own(cls).censored(b) for cls, b in by_class.items()}
+        self._views = {c: self._own(c).censored(b) for c, b in by_class.items()}
         self._begun_view = (self.begun.censored(pool) if pool and self._abandoned_seen
                             else None)  # (until one is abandoned, ``_views[""]`` is the same)
         if pool:
@@ -595,9 +595,9 @@ class PoolLearning:
         says nothing about the promise. A request this pool keeps (its ``key``) is resolved
         at its deadline (``resolve``), any other at once. Its record's predicted first token
         and step teach its class's lengths (0: nothing to learn)."""
-        cls = running.service_class
+        service_class = running.service_class
         seconds = now - running.started
-        self.inflight[cls] = max(0, self.inflight.get(cls, 0) - 1)
+        self.inflight[service_class] = max(0, self.inflight.get(service_class, 0) - 1)
         missed = seconds > running.deadline_s
         kept = key is not None and self._running.pop(key, None) is not None  # (``admitted``)
         if kept:  # whatever the estimate says, its prompt is prefilled
@@ -611,7 +611,8 @@ class PoolLearning:
                 self._ended[key] = (running, missed)
         elif missed or completed:
             if not kept:
-                self.promise(cls).settled(missed, running.unavoidable, running.unavoidable)
+                self.promise(service_class).settled(missed, running.unavoidable,
+                                                    running.unavoidable)
             else:
                 self._resolved(running, missed, now)
         if not running.batch:
@@ -620,7 +621,7 @@ class PoolLearning:
             self.flow(group).served(seconds, now)
         if running.step_ms > 0:
             tokens = max(1.0, (seconds * 1000.0 - running.ttft_ms) / running.step_ms)
-            self._own(cls).observe(tokens, cut=not completed)
+            self._own(service_class).observe(tokens, cut=not completed)
 
 
 def _chance(r: Running) -> float:

@@ -175,11 +175,12 @@ class Admission:
         return self.decision.retry_after_ms if self.decision is not None else None
 
 
-def class_policy(rules: Rules, service_class: str, deadline_ms: float | None) -> Policy:
-    """The class's budget, its deadline tightened (never loosened) by the client's header."""
+def class_policy(rules: Rules, service_class: str, stated_ms: float | None) -> Policy:
+    """The class's budget, its deadline tightened (never loosened) by the one the client
+    stated in its header (``stated_ms``; None: none)."""
     cls = rules.classes[service_class]
-    deadline = cls.deadline_ms if deadline_ms is None else min(cls.deadline_ms, deadline_ms)
-    return Policy(deadline_ms=deadline, safety_factor=cls.safety_factor, ttft_ms=cls.ttft_ms,
+    deadline_ms = cls.deadline_ms if stated_ms is None else min(cls.deadline_ms, stated_ms)
+    return Policy(deadline_ms=deadline_ms, safety_factor=cls.safety_factor, ttft_ms=cls.ttft_ms,
                   batch=cls.batch)
 
 
@@ -419,7 +420,7 @@ def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool,
 
 
 def miss_chance(cost: Cost, decision: Decision, policy: Policy, learning: PoolLearning,
-                policy_class: str) -> float:
+                service_class: str) -> float:
     """The chance the admitted request misses its deadline as predicted: its answer longer
     than what its deadline leaves after its predicted first token at its predicted step."""
     if cost.output_tokens <= 0 or decision.step_ms <= 0:
@@ -427,7 +428,7 @@ def miss_chance(cost: Cost, decision: Decision, policy: Policy, learning: PoolLe
     fits = (policy.deadline_ms - decision.ttft_ms) / decision.step_ms
     if fits >= cost.most:
         return 0.0
-    return learning.lengths_for(policy_class).survival(max(0.0, fits))
+    return learning.lengths_for(service_class).survival(max(0.0, fits))
 
 
 def longest_alone(cost: Cost, capacity: Capacity, policy: Policy) -> float:
@@ -438,7 +439,7 @@ def longest_alone(cost: Cost, capacity: Capacity, policy: Policy) -> float:
 
 
 def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLearning,
-                policy_class: str) -> float:
+                service_class: str) -> float:
     """The chance the request's answer is too long for its budget even alone on an idle
     replica (``extproc.decision.learning``: such misses do not tighten the promise)."""
     if cost.output_tokens <= 0:
@@ -448,5 +449,5 @@ def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLe
         return 0.0
     if not math.isfinite(longest):
         return 0.0
-    return learning.unavoidable_lengths(policy_class).survival(max(0.0, longest))
+    return learning.unavoidable_lengths(service_class).survival(max(0.0, longest))
 

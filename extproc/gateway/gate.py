@@ -230,30 +230,30 @@ class Gate:
                      body: bytes, tenant: Tenant | None = None,
                      on_hold: Callable[[float], None] | None = None,
                      destination: str | None = None) -> Verdict:
-        cls = route.service_class
+        service_class = route.service_class
         try:
-            deadline = deadline_ms(headers, self.config.deadline_header)
+            stated_ms = deadline_ms(headers, self.config.deadline_header)
             request = parse(route.api, body, path=path)
         except RequestError as exc:
-            return invalid(exc, None, cls)
+            return invalid(exc, None, service_class)
         pool = self.config.pool_for(request.model)
         if pool is None:
-            return Verdict(Outcome.PASS, Reason.UNMANAGED, service_class=cls)
+            return Verdict(Outcome.PASS, Reason.UNMANAGED, service_class=service_class)
         replicas = self.capacity.capacity(pool.name).replicas
         stats = self.engines.get(pool.name)
         engines = stats.latest(pool.name) if stats is not None else None  # once per decision
         pool = with_reported_kv(pool, engines, self._reported)
         try:
-            ask, uncounted = await self.pricing.ask(request, pool, cls, deadline,
+            ask, uncounted = await self.pricing.ask(request, pool, service_class, stated_ms,
                                                     self._close(pool, replicas, engines))
         except RequestError as exc:
-            return invalid(exc, pool.name, cls)
+            return invalid(exc, pool.name, service_class)
         who = tenant.name if tenant is not None else None
-        ask = dataclasses.replace(ask, tenant=who, priority=priority_of(
-            self.rules, cls, who, self._stated_priority(headers)), destination=destination)
+        ask = dataclasses.replace(ask, tenant=who, destination=destination, priority=priority_of(
+            self.rules, service_class, who, self._stated_priority(headers)))
         arrived = self._clock()
-        self.learning[pool.name].arrived(cls, self.config.classes[cls].batch, arrived,
-                                         ask.prompt_tokens, ask.groups)
+        self.learning[pool.name].arrived(service_class, self.rules.classes[service_class].batch,
+                                         arrived, ask.prompt_tokens, ask.groups)
         started = time.perf_counter()
         holds = self.config.defer.enabled and self.config.mode is Mode.ENFORCE
         if holds:

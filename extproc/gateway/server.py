@@ -544,11 +544,11 @@ class Service:
         await self.health.enter_graceful_shutdown()
         self.gate.holding.refuse_all()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_grace_s
+        until = loop.time() + self.config.drain_grace_s
         idle_since: float | None = None
         idle_samples = 0  # a stalled loop is one sample, however long it stalled
         started = self.processor.streams_started
-        while loop.time() < deadline:
+        while loop.time() < until:
             seen, started = started, self.processor.streams_started
             if self.processor.open_streams == 0 and started == seen:
                 idle_since = idle_since or loop.time()

@@ -103,11 +103,11 @@ class Verdict:
         return self.enforced and self.outcome in (Outcome.REJECT, Outcome.INVALID, Outcome.ERROR)
 
 
-def invalid(error: RequestError, pool: str | None, cls: str) -> Verdict:
+def invalid(error: RequestError, pool: str | None, service_class: str) -> Verdict:
     """A request refused for what it is (unparseable, too large, not JSON): a 4xx."""
     reason = {413: Reason.BODY_TOO_LARGE, 415: Reason.UNSUPPORTED_MEDIA}.get(
         error.status, Reason.BAD_REQUEST)
-    return Verdict(Outcome.INVALID, reason, pool, cls, error=error, enforced=True)
+    return Verdict(Outcome.INVALID, reason, pool, service_class, error=error, enforced=True)
 
 
 def refused_held(verdict: Verdict, reason: Reason, retry_ms: float) -> Verdict:

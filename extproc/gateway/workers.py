@@ -128,12 +128,12 @@ class Supervisor:
 
     def _wait(self) -> int:
         """Every worker drains on its own; one that outlives the grace is killed."""
-        deadline = time.monotonic() + self.stop_grace_s
+        until = time.monotonic() + self.stop_grace_s
         for proc in self.procs:
             if proc is None:
                 continue
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(max(0.1, until - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -262,12 +262,13 @@ class Metrics:
 
     def observe(self, verdict: Verdict, mode: Mode, seconds: float) -> None:
         pool = verdict.pool or ""
-        cls = verdict.service_class or ""
-        self.decisions.labels(pool, cls, verdict.outcome.value, verdict.reason.value,
+        service_class = verdict.service_class or ""
+        self.decisions.labels(pool, service_class, verdict.outcome.value, verdict.reason.value,
                               mode.value).inc()
         self.decision_seconds.observe(seconds)
         if verdict.decision is not None:
-            self.predicted_wait.labels(pool, cls).observe(verdict.decision.wait_ms / 1000.0)
+            wait_s = verdict.decision.wait_ms / 1000.0
+            self.predicted_wait.labels(pool, service_class).observe(wait_s)
         if verdict.admission is not None:
             self.priority_decisions.labels(pool, priority_label(verdict.admission.priority),
                                            verdict.outcome.value, verdict.reason.value).inc()
@@ -300,8 +301,8 @@ class Metrics:
                        ages: Mapping[str, float], replicas: Replicas) -> None:
         decided = window.admitted + window.rejected
         self.reject_ratio.labels(pool).set(window.rejected / decided if decided else 0.0)
-        for cls, age in ages.items():
-            self.queue_oldest_age.labels(pool, cls).set(age)
+        for service_class, age in ages.items():
+            self.queue_oldest_age.labels(pool, service_class).set(age)
         self.queue_depth.labels(pool).set(window.queue_depth)
         for state in ("ready", "starting", "draining", "unhealthy"):
             self.pool_replicas.labels(pool, state).set(getattr(replicas, state))
@@ -336,10 +337,10 @@ class _Promises:
             labels=["pool", "class", "result"])
         for pool, learning in self.learning.items():
             level.add_metric([pool], learning.level.level_ms / 1000.0)
-            for cls, promise in learning.promises.items():
-                quantile.add_metric([pool, cls], promise.quantile)
-                settled.add_metric([pool, cls, "hit"], promise.hits)
-                settled.add_metric([pool, cls, "miss"], promise.misses)
+            for service_class, promise in learning.promises.items():
+                quantile.add_metric([pool, service_class], promise.quantile)
+                settled.add_metric([pool, service_class, "hit"], promise.hits)
+                settled.add_metric([pool, service_class, "miss"], promise.misses)
         yield quantile
         yield level
         yield settled

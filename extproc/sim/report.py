@@ -206,8 +206,8 @@ def plot(scenario: Scenario, results: Sequence[Result], path: str | os.PathLike[
 
 def _deadline_s(scenario: Scenario) -> float:
     classes = scenario.config.classes
-    cls = scenario.jobs[0].service_class if scenario.jobs else next(iter(classes))
-    return classes[cls].deadline_ms / 1000.0
+    service_class = scenario.jobs[0].service_class if scenario.jobs else next(iter(classes))
+    return classes[service_class].deadline_ms / 1000.0
 
 
 def heatmap(rows: Sequence[str], columns: Sequence[str],

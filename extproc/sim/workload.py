@@ -241,7 +241,7 @@ def _job_from(raw: Any, where: str) -> Job:
     prompt = number("prompt_tokens", int)
     output = number("output_tokens", int)
     max_tokens = number("max_tokens", int, required=False)
-    deadline = number("deadline_ms", float, required=False)
+    deadline_ms = number("deadline_ms", float, required=False)
     shared = number("prefix_tokens", int, required=False)
     cls, tenant = raw.get("class", "latency"), raw.get("tenant", "default")
     prefix = raw.get("prefix")
@@ -257,7 +257,7 @@ def _job_from(raw: Any, where: str) -> Job:
         raise ConfigError(problems)
     return Job(arrival_s=arrival, prompt_tokens=max(1, prompt), output_tokens=max(1, output),
                max_tokens=max_tokens or None, service_class=cls, tenant=tenant,
-               deadline_ms=deadline or None, prefix_key=prefix,
+               deadline_ms=deadline_ms or None, prefix_key=prefix,
                prefix_tokens=min(shared or 0, max(1, prompt)) if prefix else 0,
                priority=priority)
 

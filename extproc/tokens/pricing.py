@@ -164,15 +164,16 @@ class Pricing:
         self.deciding = 0  # decisions under way in the process (``Gate.check`` counts them)
 
     @staticmethod
-    def _priced_at(request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
-                   text_tokens: int) -> Ask:
+    def _priced_at(request: InferenceRequest, pool: Pool, service_class: str,
+                   deadline_ms: float | None, text_tokens: int) -> Ask:
         """The request's ask with its texts priced at ``text_tokens``."""
-        return Ask(cls, prompt_tokens(request, pool, text_tokens), request.max_tokens,
-                   request.choices, deadline, request.prefill_only, streaming=request.stream,
+        return Ask(service_class, prompt_tokens(request, pool, text_tokens), request.max_tokens,
+                   request.choices, deadline_ms, request.prefill_only, streaming=request.stream,
                    min_tokens=request.min_tokens, ignore_eos=request.ignore_eos)
 
-    async def ask(self, request: InferenceRequest, pool: Pool, cls: str, deadline: float | None,
-                  close: Callable[[Ask, Ask], bool]) -> tuple[Ask, Uncounted | None]:
+    async def ask(self, request: InferenceRequest, pool: Pool, service_class: str,
+                  deadline_ms: float | None, close: Callable[[Ask, Ask], bool]
+                  ) -> tuple[Ask, Uncounted | None]:
         """The request's ask, its prompt counted exactly or (long new text, and ``close`` says
         the decision is not close at the estimate's two ends) estimated; then also what is
         still to count (module docstring)."""
@@ -188,11 +189,11 @@ class Pricing:
                 text = known + await self.batches.count(counter, missing)
             else:  # a piece at a time, alone, nothing new, or a byte count: here (docstring)
                 text = known + counter.count(missing)
-            return self._priced_at(request, pool, cls, deadline, text), None
+            return self._priced_at(request, pool, service_class, deadline_ms, text), None
         calibration = self.calibrations[pool.name]
         guess = calibration.estimate(chars)
-        estimated = self._priced_at(request, pool, cls, deadline, known + guess)
-        low, high = (self._priced_at(request, pool, cls, deadline,
+        estimated = self._priced_at(request, pool, service_class, deadline_ms, known + guess)
+        low, high = (self._priced_at(request, pool, service_class, deadline_ms,
                                   known + round(guess * (1.0 + m)))
                      for m in (-calibration.margin, calibration.margin))
         if not close(low, high):
@@ -210,7 +211,7 @@ class Pricing:
             self.metrics.fallthroughs.labels("count_wait").inc()
             return high, Uncounted(missing, chars, known, counting)
         calibration.learn(chars, tokens)
-        return self._priced_at(request, pool, cls, deadline, known + tokens), None
+        return self._priced_at(request, pool, service_class, deadline_ms, known + tokens), None
 
     def claim(self) -> bool:
         """A place on the counting thread for an exact count, if fewer than
