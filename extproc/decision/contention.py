@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from extproc.decision.admission import (
     Capacity,
@@ -34,9 +35,7 @@ from extproc.decision.admission import (
     Snapshot,
     decide,
 )
-from extproc.decision.learning import PoolLearning
 from extproc.decision.level import measured
-from extproc.decision.rules import Rules
 from extproc.decision.share import (
     HEADROOM_Z,
     level_of,
@@ -47,6 +46,10 @@ from extproc.decision.share import (
     water_level,
 )
 from extproc.ledger import Cap
+
+if TYPE_CHECKING:
+    from extproc.decision.learning import PoolLearning
+    from extproc.decision.rules import Rules
 
 
 def caps(tenant: str | None, rules: Rules) -> tuple[Cap, ...]:

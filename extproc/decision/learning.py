@@ -117,13 +117,16 @@ import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from extproc.config import Pool
 from extproc.decision.admission import Mix
 from extproc.decision.lengths import Lengths, Prior
 from extproc.decision.level import Level
-from extproc.decision.rules import Rules
-from extproc.decision.running import Running
+
+if TYPE_CHECKING:
+    from extproc.config import Pool
+    from extproc.decision.rules import Rules
+    from extproc.decision.running import Running
 
 TARGET_ATTAINMENT = 0.99
 Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from extproc.config import ClassPolicy, Config, Infeasible, TenantConfig
+if TYPE_CHECKING:
+    from extproc.config import ClassPolicy, Config, Infeasible, TenantConfig
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from extproc.config import Infeasible, Pool
 from extproc.decision import contention
@@ -65,15 +66,17 @@ from extproc.decision.admission import (
     Snapshot,
     decide,
 )
-from extproc.decision.learning import PoolLearning
 from extproc.decision.lengths import PRIOR_SAMPLES
 from extproc.decision.level import measured
-from extproc.decision.rules import Rules
 from extproc.decision.running import Running
 from extproc.decision.share import priority_group, tenant_group
 from extproc.errors import BadRequest, RequestError
 from extproc.fleet.enginestats import Correction
-from extproc.ledger import Cap
+
+if TYPE_CHECKING:
+    from extproc.decision.learning import PoolLearning
+    from extproc.decision.rules import Rules
+    from extproc.ledger import Cap
 
 NO_CORRECTION = Correction()
 

@@ -30,13 +30,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
-from extproc.config import Pool
 from extproc.decision.admission import Capacity
 from extproc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from extproc.config import Pool
 
 log = logging.getLogger(__name__)
 

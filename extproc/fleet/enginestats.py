@@ -72,13 +72,16 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.config import Pool
 from extproc.decision.admission import Snapshot
 from extproc.fleet.capacity import cancel_all
+
+if TYPE_CHECKING:
+    from extproc.config import Pool
 
 log = logging.getLogger(__name__)
 

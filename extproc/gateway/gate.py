@@ -64,6 +64,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from extproc.config import Config, Mode, OnUnavailable, Pool, Route, TracingConfig
 from extproc.decision.admission import Outcome, Reason, Snapshot
@@ -83,7 +84,6 @@ from extproc.decision.step import (
     running_of,
 )
 from extproc.errors import LedgerUnavailable, RequestError
-from extproc.fleet.capacity import CapacitySource
 from extproc.fleet.enginestats import (
     Bucket,
     Correction,
@@ -99,10 +99,13 @@ from extproc.gateway.tenant import Tenant, Tenants
 from extproc.gateway.verdict import Listener, Ticket, Verdict, contended, invalid
 from extproc.ledger import Entry, Ledger, Reserved
 from extproc.observability import decisionlog
-from extproc.observability.metrics import Metrics
 from extproc.observability.telemetry import Tracing, annotate
 from extproc.tokens.estimate import prompt_tokens
 from extproc.tokens.pricing import Pricing, Uncounted
+
+if TYPE_CHECKING:
+    from extproc.fleet.capacity import CapacitySource
+    from extproc.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -30,14 +30,17 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from extproc.config import Config
 from extproc.decision.admission import Outcome, Reason
 from extproc.decision.defer import DEFERRABLE, Queue, Refused, Waiter, enter, predicted_wait_ms
 from extproc.decision.share import priority_label
-from extproc.decision.step import Ask
 from extproc.gateway.verdict import Ticket, Verdict, refused_held
-from extproc.observability.metrics import Metrics
+
+if TYPE_CHECKING:
+    from extproc.config import Config
+    from extproc.decision.step import Ask
+    from extproc.observability.metrics import Metrics
 
 RECHECK_S = 0.05  # while requests are held, a pass this often if nothing wakes one sooner
 

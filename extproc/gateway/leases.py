@@ -40,15 +40,17 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from extproc.config import LedgerConfig, OnUnavailable
-from extproc.decision.admission import Snapshot
 from extproc.errors import LedgerUnavailable
 from extproc.gateway.localview import Totals, View
-from extproc.gateway.verdict import Ticket
 from extproc.ledger import Entry, Ledger, Recent
-from extproc.observability.metrics import Metrics
+
+if TYPE_CHECKING:
+    from extproc.config import LedgerConfig, OnUnavailable
+    from extproc.decision.admission import Snapshot
+    from extproc.gateway.verdict import Ticket
+    from extproc.observability.metrics import Metrics
 
 # The gate's logs keep the logger they always had (``extproc.gateway.gate``): dashboards filter on
 # it.

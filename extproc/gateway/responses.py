@@ -24,15 +24,18 @@ from __future__ import annotations
 import json
 import math
 import random
+from typing import TYPE_CHECKING
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
-from extproc.config import RetryAfter
 from extproc.decision.admission import Reason
-from extproc.errors import RequestError
 from extproc.gateway.retry import retry_delay_ms
+
+if TYPE_CHECKING:
+    from extproc.config import RetryAfter
+    from extproc.errors import RequestError
 
 REASON_HEADER = "x-admission-reason"
 ADMISSION_NAMESPACE = "extproc"  # Envoy's dynamic metadata namespace for the verdict

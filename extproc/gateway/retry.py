@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import random
+from typing import TYPE_CHECKING
 
-from extproc.config import RetryAfter
+if TYPE_CHECKING:
+    from extproc.config import RetryAfter
 
 
 def retry_delay_ms(retry_after_ms: float | None, rules: RetryAfter, rng: random.Random) -> int:

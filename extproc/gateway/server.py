@@ -70,6 +70,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -100,8 +101,6 @@ from extproc.gateway.request import (
 from extproc.gateway.retry import retry_delay_ms
 from extproc.gateway.tenant import Tenant, Tenants
 from extproc.gateway.tls import ServerCertificates
-from extproc.gateway.verdict import Ticket, Verdict
-from extproc.ledger import Ledger
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 from extproc.observability.metrics import Metrics
@@ -109,6 +108,10 @@ from extproc.observability.telemetry import Tracing
 from extproc.scaling.control import Control
 from extproc.scaling.keda import ExternalScaler
 from extproc.scaling.keda import add_to_server as add_scaler
+
+if TYPE_CHECKING:
+    from extproc.gateway.verdict import Ticket, Verdict
+    from extproc.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,14 @@ import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
-from extproc.config import ServerTls
 from extproc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from extproc.config import ServerTls
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,12 @@ import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from extproc.config import Config
 from extproc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from extproc.config import Config
 
 log = logging.getLogger(__name__)
 

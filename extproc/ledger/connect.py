@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis, RedisCluster
@@ -15,8 +15,10 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
-from extproc.config import LedgerConfig
 from extproc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from extproc.config import LedgerConfig
 
 
 def describe(config: LedgerConfig) -> str:

@@ -69,17 +69,19 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
-from extproc.config import LedgerConfig
 from extproc.decision.admission import Snapshot
 from extproc.errors import LedgerUnavailable
 from extproc.ledger import Cap, Entry, Reserved
 from extproc.ledger.breaker import Breaker, State
 from extproc.ledger.connect import connect, describe
+
+if TYPE_CHECKING:
+    from extproc.config import LedgerConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from prometheus_client import Gauge as _Gauge
 from prometheus_client import Histogram as _Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from extproc.config import Mode
 from extproc.decision.share import level_of, priority_label, tenant_of
 from extproc.gateway.tenant import OTHER
 
 if TYPE_CHECKING:
 
+    from extproc.config import Mode
     from extproc.decision.admission import Snapshot
     from extproc.decision.learning import PoolLearning
     from extproc.fleet.capacity import Replicas

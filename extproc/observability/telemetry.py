@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from extproc.config import TracingConfig
 from extproc.decision.share import priority_label
-from extproc.gateway.verdict import Verdict
+
+if TYPE_CHECKING:
+    from extproc.config import TracingConfig
+    from extproc.gateway.verdict import Verdict
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 

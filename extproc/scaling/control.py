@@ -19,12 +19,15 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from extproc.decision.admission import Outcome
-from extproc.fleet.capacity import CapacitySource
-from extproc.gateway.verdict import Ticket, Verdict
-from extproc.observability.metrics import Metrics
 from extproc.scaling.autoscale import Recommendation, Recommender, ScalingPolicy, Window
+
+if TYPE_CHECKING:
+    from extproc.fleet.capacity import CapacitySource
+    from extproc.gateway.verdict import Ticket, Verdict
+    from extproc.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

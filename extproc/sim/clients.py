@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.decision.running import Running
 from extproc.fleet.engine import Sequence
-from extproc.sim.workload import Job
+
+if TYPE_CHECKING:
+    from extproc.decision.running import Running
+    from extproc.sim.workload import Job
 
 
 class Host(Protocol):

@@ -27,9 +27,12 @@ shares add up to the busy time).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from extproc.fleet.engine import EngineModel, Scheduler, Step
-from extproc.sim.clients import Attempt
+
+if TYPE_CHECKING:
+    from extproc.sim.clients import Attempt
 
 INF = float("inf")
 

@@ -74,14 +74,16 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from extproc.sim import autoscaler as autoscaler_mod
 from extproc.sim import families, report, scenarios
 from extproc.sim.policies import make
-from extproc.sim.result import Result
 from extproc.sim.run import simulate
-from extproc.sim.scenarios import Scenario
+
+if TYPE_CHECKING:
+    from extproc.sim.result import Result
+    from extproc.sim.scenarios import Scenario
 
 LOADS = (0.8, 1.5, 3.0)
 POLICIES = ("naive", "saturation", "default", "oracle", "tuned")

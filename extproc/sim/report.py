@@ -20,12 +20,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from extproc.sim import policies
-from extproc.sim.result import Result
 from extproc.sim.run import simulate
-from extproc.sim.scenarios import Scenario
+
+if TYPE_CHECKING:
+    from extproc.sim.result import Result
+    from extproc.sim.scenarios import Scenario
 
 
 class Progress:

@@ -35,7 +35,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from extproc.config import TenantSource
 from extproc.decision.admission import Outcome, Policy, Reason, Snapshot
@@ -63,8 +63,10 @@ from extproc.sim.clients import Attempt
 from extproc.sim.engine import INF, Replica
 from extproc.sim.policies import AdmissionPolicy, EngineView
 from extproc.sim.result import Result, quantile
-from extproc.sim.scenarios import Scenario
-from extproc.sim.workload import Job
+
+if TYPE_CHECKING:
+    from extproc.sim.scenarios import Scenario
+    from extproc.sim.workload import Job
 
 _REPLICA, _SEND, _READY, _SAMPLE, _CONTROL, _EXPIRE, _PASS = range(7)
 AFFINITY_SLACK = 0.25  # a prefix's replica is kept while at most this share of a batch busier

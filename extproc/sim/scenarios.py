@@ -28,14 +28,12 @@ import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from extproc import config as config_mod
-from extproc.config import Config, Pool
 from extproc.errors import ConfigError
 from extproc.fleet.engine import LLAMA_70B_FP8_2XH100, EngineModel
 from extproc.sim import autoscaler as autoscaler_mod
-from extproc.sim.autoscaler import Recommender
 from extproc.sim.clients import ClientModel
 from extproc.sim.workload import (
     CONVERSATION,
@@ -48,6 +46,10 @@ from extproc.sim.workload import (
     read_azure,
     synthetic,
 )
+
+if TYPE_CHECKING:
+    from extproc.config import Config, Pool
+    from extproc.sim.autoscaler import Recommender
 
 # The classes of the product's default configuration (extproc.config.DEFAULT_CLASSES).
 CHAT_CLASSES: dict[str, Any] = {

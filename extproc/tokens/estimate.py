@@ -36,13 +36,15 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from extproc.config import Pool
 from extproc.errors import BadRequest
-from extproc.gateway.request import InferenceRequest
 from extproc.tokens.generations import TwoGenerations
 from extproc.tokens.pieces import PieceCounter
+
+if TYPE_CHECKING:
+    from extproc.config import Pool
+    from extproc.gateway.request import InferenceRequest
 
 EXACT_MAX_BYTES = 512 * 1024
 CACHE_ENTRIES = 100_000  # texts whose count is remembered (~18 MB at most)

@@ -39,12 +39,10 @@ import concurrent.futures
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from extproc.config import Config, Pool
 from extproc.decision.step import Ask
 from extproc.errors import RequestError
-from extproc.gateway.request import InferenceRequest
-from extproc.observability.metrics import Metrics
 from extproc.tokens.estimate import (
     Calibration,
     TokenCounter,
@@ -52,6 +50,11 @@ from extproc.tokens.estimate import (
     counter_for,
     prompt_tokens,
 )
+
+if TYPE_CHECKING:
+    from extproc.config import Config, Pool
+    from extproc.gateway.request import InferenceRequest
+    from extproc.observability.metrics import Metrics
 
 ESTIMATE_CHARS = 8 * 1024  # new prompt text longer than this is estimated (docstring)
 MAX_PENDING_COUNTS = 8  # exact counts queued for the counting thread; beyond, estimates stay
