@@ -9,6 +9,7 @@ is marked ``integration``; it is still part of ``make test``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,7 +39,13 @@ def _run(*args: str | Path, cwd: Path = ROOT, timeout: float = 600) -> str:
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the wheel, the bin folder of a fresh venv with it installed under constraints.txt)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", tmp / "dist", ROOT)
+    # built from a copy without the checkout's build/ folder: setuptools keeps the modules of
+    # every earlier build there, and a module moved since would be packed twice
+    source = tmp / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", ".tools", "build", "out", "*.egg-info", ".*_cache", ".hypothesis",
+        "__pycache__"))
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", tmp / "dist", source)
     [wheel] = (tmp / "dist").glob("envoy_llm_admission-*.whl")
     _run(sys.executable, "-m", "venv", tmp / "venv")
     bin_ = tmp / "venv" / "bin"
