@@ -49,9 +49,9 @@ on a snapshot read for this decision, and a reserve refused on a reused view doe
 an attempt: its answer carries the pool as the reserve found it, the next attempt's input. So a
 refusal, ``contended`` included, is always decided on a view as of after the request arrived.
 
-Why this module passes the house's ~400 lines: it is one decision's orchestration (check,
-price, admit and reserve, the fault policy, settle) and reads top to bottom as that path; each
-job with a model of its own already lives apart (pricing, leases, verdict, step, enginestats).
+Length: past the house's ~400 lines because it is one decision's orchestration (check, price,
+admit and reserve, the fault policy, settle) and reads top to bottom as that path; each job
+with a model of its own already lives apart (pricing, leases, verdict, step, enginestats).
 """
 
 from __future__ import annotations
