@@ -318,9 +318,10 @@ _SERVE_COUNTING_NATIVELY = ("import sys, extproc.tokens.pieces as p; p.PieceCoun
 # `extproc serve` whose Gate.check answers "admit" at once: parse, price, decide, ledger,
 # metrics and settle all skipped; the stream adapter, gRPC and the event loop remain
 _SERVE_WITHOUT_A_DECISION = (
-    "import sys, extproc.gateway.gate as g; from extproc.gateway.verdict import Verdict;"
+    "import sys, extproc.gateway.gate as g;"
+    " from extproc.gateway.verdict import Answer, Verdict;"
     " from extproc.decision.admission import Outcome, Reason;"
-    " v = Verdict(Outcome.ADMIT, Reason.FITS)\n"
+    " v = Verdict(Answer(Outcome.ADMIT, Reason.FITS))\n"
     "async def check(self, *args, **kwargs): return v\n"
     "g.Gate.check = check; from extproc.cli import main; sys.exit(main())")
 _SNIPPETS = {"redis-native": _SERVE_COUNTING_NATIVELY, "stub": _SERVE_WITHOUT_A_DECISION}

@@ -16,7 +16,7 @@ from extproc.decision.admission import Outcome, Reason
 from extproc.decision.running import Running
 from extproc.fleet.capacity import StaticCapacity
 from extproc.fleet.engine import EngineModel
-from extproc.gateway.verdict import Ticket, Verdict
+from extproc.gateway.verdict import Answer, Ticket, Verdict
 from extproc.observability.metrics import Metrics
 from extproc.scaling.autoscale import Direction, ScalingPolicy
 from extproc.scaling.control import Control
@@ -47,12 +47,12 @@ def control(clock: Clock, **policy: Any) -> tuple[Control, Metrics]:
 
 
 def admitted(rid: str) -> Verdict:
-    return Verdict(Outcome.ADMIT, Reason.FITS, "llama", "latency",
+    return Verdict(Answer(Outcome.ADMIT, Reason.FITS, "latency"), "llama",
                    ticket=Ticket(rid, "llama", 1000.0, Running("latency", 0.0)))
 
 
 def rejected() -> Verdict:
-    return Verdict(Outcome.REJECT, Reason.DEADLINE, "llama", "latency")
+    return Verdict(Answer(Outcome.REJECT, Reason.DEADLINE, "latency"), "llama")
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float | None:

@@ -71,7 +71,7 @@ def test_a_decided_verdict_explains_itself_on_its_span() -> None:
     pool = config.pools[0]
     adm = admit(Ask("latency", 300, 50), pool, Rules.of(config), learning_for(pool),
                 Snapshot(0, 0.0), 2, 0.0)
-    verdict = Verdict(adm.outcome, adm.reason, pool.name, adm.service_class, admission=adm)
+    verdict = Verdict(adm, pool.name)
     assert verdict.decision is adm.decision and adm.decision is not None
     with Receiver() as receiver:
         tracing = Tracing(TracingConfig(endpoint=receiver.endpoint))

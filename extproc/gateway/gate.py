@@ -96,7 +96,7 @@ from extproc.gateway.holding import Holding
 from extproc.gateway.leases import Leases
 from extproc.gateway.request import InferenceRequest, deadline_ms, parse
 from extproc.gateway.tenant import Tenant, Tenants
-from extproc.gateway.verdict import Listener, Ticket, Verdict, contended, invalid
+from extproc.gateway.verdict import Answer, Listener, Ticket, Verdict, contended, invalid
 from extproc.ledger import Entry, Ledger, Reserved
 from extproc.observability import decisionlog
 from extproc.observability.telemetry import Tracing, annotate
@@ -241,7 +241,7 @@ class Gate:
             return invalid(exc, None, service_class)
         pool = self.config.pool_for(request.model)
         if pool is None:
-            return Verdict(Outcome.PASS, Reason.UNMANAGED, service_class=service_class)
+            return Verdict(Answer(Outcome.PASS, Reason.UNMANAGED, service_class))
         replicas = self.capacity.capacity(pool.name).replicas
         stats = self.engines.get(pool.name)
         engines = stats.latest(pool.name) if stats is not None else None  # once per decision
@@ -443,8 +443,7 @@ class Gate:
         return snapshot, time.monotonic() - age
 
     def _verdict(self, adm: Admission, pool: str) -> Verdict:
-        return Verdict(adm.outcome, adm.reason, pool, adm.service_class, error=adm.error,
-                       enforced=self.config.mode is Mode.ENFORCE, admission=adm)
+        return Verdict(adm, pool, enforced=self.config.mode is Mode.ENFORCE)
 
     async def _publish(self, pool: str, level: int | None) -> None:
         """Tell the ledger the highest priority this gateway holds (``Ledger.wait``), so
@@ -460,7 +459,8 @@ class Gate:
     def _unavailable(self, exc: Exception, sent: str | None, pool: Pool, ask: Ask,
                      replicas: int, engines: PoolStats | None) -> Verdict:
         """The fault policy. The decision is always made on the local view (fail-closed
-        keeps it only for metrics and the Retry-After hint, and for shadow mode)."""
+        refuses it, keeping its prediction for metrics and the Retry-After hint, and for
+        shadow mode)."""
         on_unavailable = self.config.ledger.on_unavailable
         self.leases.away(exc, on_unavailable)
         self.metrics.ledger_fallbacks.labels(pool.name, on_unavailable.value).inc()
@@ -470,8 +470,9 @@ class Gate:
                                       replicas, self._clock(), fix), pool.name)
         if on_unavailable is OnUnavailable.FAIL_CLOSED and verdict.outcome is not Outcome.INVALID:
             # Fail-closed: we cannot record the request, so we do not let it run.
-            verdict = dataclasses.replace(verdict, outcome=Outcome.REJECT,
-                                          reason=Reason.LEDGER_UNAVAILABLE)
+            assert verdict.admission is not None
+            verdict = dataclasses.replace(
+                verdict, answer=verdict.admission.refused(Reason.LEDGER_UNAVAILABLE))
         if verdict.blocks:
             if sent is not None:
                 self.leases.defer_release(sent, pool.name)
@@ -543,8 +544,7 @@ class Gate:
 
     def shed(self, service_class: str, tenant: Tenant | None = None) -> Verdict:
         """A 429 without a decision: the processor itself is behind (``extproc.gateway.server``)."""
-        verdict = Verdict(Outcome.REJECT, Reason.PROCESSOR_OVERLOADED,
-                          service_class=service_class, tenant=tenant,
-                          enforced=self.config.mode is Mode.ENFORCE)
+        verdict = Verdict(Answer(Outcome.REJECT, Reason.PROCESSOR_OVERLOADED, service_class),
+                          tenant=tenant, enforced=self.config.mode is Mode.ENFORCE)
         self.metrics.observe(verdict, self.config.mode, 0.0)
         return verdict

@@ -61,28 +61,56 @@ class Ticket:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """What a verdict made without a decision says: a 4xx before one, an unmanaged model, a
+    request shed while the processor is behind."""
+
+    outcome: Outcome
+    reason: Reason
+    service_class: str | None = None
+    error: RequestError | None = None
+
+
+@dataclass(frozen=True)
 class Verdict:
-    """One request's answer: its ``outcome`` and ``reason`` (the metric labels), the step's
-    ``admission`` it answers (None when it was refused or passed before a decision: what was
-    decided, on what, and its tokens are read from it), and the ``ticket`` of a request that
-    will reach the backend. The outcome is the gate's last word: a fail-closed ledger outage
-    refuses an admission the step made (which stays as made, for the Retry-After hint);
-    ``contended`` and ``refused_held`` refuse the admission itself.
+    """One request's answer: the step's ``Admission`` when it decided (what was decided, on
+    what, and its tokens), else an ``Answer``; its ``outcome`` and ``reason`` (the metric
+    labels), class and error are read from it, never copied. A verdict that refuses after the
+    step (a fail-closed ledger outage, ``contended``, ``refused_held``) refuses the admission
+    itself (``Admission.refused``). The ``ticket`` is that of a request that will reach the
+    backend.
 
     ``enforced`` is False in shadow mode: a rejected request continues all the same, so only
     ``blocks`` says whether the server answers in the backend's place."""
 
-    outcome: Outcome
-    reason: Reason
+    answer: Admission | Answer
     pool: str | None = None
-    service_class: str | None = None
-    error: RequestError | None = None
     ticket: Ticket | None = None
     enforced: bool = True  # False in shadow mode: the request continues whatever the outcome
     trace: Mapping[str, Any] | None = None  # span attributes known only here (when tracing)
     tenant: Tenant | None = None  # who is charged (extproc.gateway.tenant); None: attribution off
-    admission: Admission | None = None  # the step's answer, when it decided
     held_ms: float = 0.0  # how long the gateway held it before this answer (extproc.decision.defer)
+
+    @property
+    def outcome(self) -> Outcome:
+        return self.answer.outcome
+
+    @property
+    def reason(self) -> Reason:
+        return self.answer.reason
+
+    @property
+    def service_class(self) -> str | None:
+        return self.answer.service_class
+
+    @property
+    def error(self) -> RequestError | None:
+        return self.answer.error
+
+    @property
+    def admission(self) -> Admission | None:
+        """The step's answer, when it decided."""
+        return None if isinstance(self.answer, Answer) else self.answer
 
     @property
     def decision(self) -> Decision | None:
@@ -107,7 +135,7 @@ def invalid(error: RequestError, pool: str | None, service_class: str) -> Verdic
     """A request refused for what it is (unparseable, too large, not JSON): a 4xx."""
     reason = {413: Reason.BODY_TOO_LARGE, 415: Reason.UNSUPPORTED_MEDIA}.get(
         error.status, Reason.BAD_REQUEST)
-    return Verdict(Outcome.INVALID, reason, pool, service_class, error=error, enforced=True)
+    return Verdict(Answer(Outcome.INVALID, reason, service_class, error), pool)
 
 
 def refused_held(verdict: Verdict, reason: Reason, retry_ms: float) -> Verdict:
@@ -116,8 +144,7 @@ def refused_held(verdict: Verdict, reason: Reason, retry_ms: float) -> Verdict:
     queue's predicted drain)."""
     assert verdict.admission is not None
     refused = verdict.admission.refused(reason, retry_after_ms=max(1.0, retry_ms))
-    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason, ticket=None,
-                               admission=refused)
+    return dataclasses.replace(verdict, answer=refused, ticket=None)
 
 
 def contended(verdict: Verdict, reason: Reason = Reason.DEADLINE) -> Verdict:
@@ -125,8 +152,7 @@ def contended(verdict: Verdict, reason: Reason = Reason.DEADLINE) -> Verdict:
     other gateways keep filling the room we saw; or (``reason`` ``PRIORITY``) a higher
     priority is held, here or by another gateway (``extproc.decision.defer``, ``Ledger.wait``)."""
     assert verdict.admission is not None
-    return dataclasses.replace(verdict, outcome=Outcome.REJECT, reason=reason,
-                               admission=verdict.admission.refused(reason))
+    return dataclasses.replace(verdict, answer=verdict.admission.refused(reason))
 
 
 class Listener(Protocol):
