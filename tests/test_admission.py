@@ -51,10 +51,10 @@ def spec(cost: Cost, snap: Snapshot, cap: Capacity, policy: Policy) -> dict[str,
     def step(b: float) -> float:
         return itl(b) + b / mix.output_tokens * prefill(mix.prompt_tokens)
 
-    o = min(cost.output_tokens, cost.typical_tokens if cost.typical_tokens is not None
-            else cost.output_tokens)
-    big_l = min(cost.output_tokens, cost.promised_tokens if cost.promised_tokens is not None
-                else cost.output_tokens)
+    o = min(cost.max_output_tokens, cost.typical_tokens if cost.typical_tokens is not None
+            else cost.max_output_tokens)
+    big_l = min(cost.max_output_tokens, cost.promised_tokens if cost.promised_tokens is not None
+                else cost.max_output_tokens)
     charge = prefill(cost.prompt_tokens) + o * itl(s) / s
     n, w = snap.inflight, snap.outstanding_ms
     b = min(s, (n + 1) / cap.replicas)

@@ -229,7 +229,7 @@ async def test_the_gate_learns_output_lengths_from_the_engines(backend: str) -> 
     # (settling the request fed the promise a hit since: it moved a hair)
     assert cost.promised == pytest.approx(
         learned.lengths.quantile(learned.promise("latency").quantile), rel=0.01)
-    assert cost.promised < 0.1 * cost.output_tokens
+    assert cost.promised < 0.1 * cost.max_output_tokens
 
 
 async def test_the_gate_learns_the_engines_measured_speed(backend: str) -> None:

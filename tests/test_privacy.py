@@ -191,7 +191,7 @@ def test_the_canary_never_leaves(tmp_path: Path, llama3_tokenizer: str) -> None:
         spans = list(receiver.spans)
         exports = list(receiver.requests)
 
-    ours = [s for s in spans if s["name"] == "extproc.decision.admission"]
+    ours = [s for s in spans if s["name"] == "extproc.admission"]
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     decision_lines = [x for x in lines if x.get("msg") == "decision"]
     records = [json.loads(line) for line in decisions.read_text().splitlines()]

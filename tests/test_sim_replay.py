@@ -133,7 +133,7 @@ def test_the_gateway_logs_each_decision_without_prompt_text(tmp_path: Path) -> N
     records = list(decisionlog.read(log))
     assert len(records) == 5
     assert {r.mode for r in records} == {"shadow"}
-    assert all(r.charged_tokens == 64 and r.prompt_tokens > 50 for r in records)
+    assert all(r.max_output_tokens == 64 and r.prompt_tokens > 50 for r in records)
     assert all(r.duration_ms is not None and r.duration_ms >= 5 for r in records)
     assert any(r.decision == Outcome.REJECT.value for r in records)  # what enforcing would do
 
@@ -176,6 +176,22 @@ def test_a_decision_log_replays_as_a_workload(tmp_path: Path) -> None:
     assert replay.run(replay.Trace(str(log)), policies=["none", "default"], progress=False,
                       stream=out) == 0
     assert "default" in out.getvalue()
+
+
+def test_a_decision_log_from_before_the_rename_still_reads(tmp_path: Path) -> None:
+    # the most output a request may write was logged as charged_tokens before it was
+    # max_output_tokens; old logs replay the same
+    old = tmp_path / "old.jsonl"
+    line = {"time": 1.0, "pool": "llama", "class": "latency", "prompt_tokens": 500,
+            "charged_tokens": 96, "deadline_ms": 30000.0, "decision": "admit",
+            "reason": "fits", "mode": "shadow", "duration_ms": 900.0}
+    old.write_text(json.dumps(line) + "\n" + json.dumps({**line, "time": 2.0}) + "\n")
+    [job, _] = workload.read_decision_log(old)
+    assert job.max_tokens == 96 and job.prompt_tokens == 500
+    del line["charged_tokens"]
+    old.write_text(json.dumps(line) + "\n")
+    with pytest.raises(ConfigError, match="old.jsonl"):
+        workload.read_decision_log(old)
 
 
 def test_decision_log_config_names_the_key() -> None:

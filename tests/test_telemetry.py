@@ -41,7 +41,7 @@ def test_decision_span_is_exported_over_otlp_under_the_grpc_parent() -> None:
         tracing.shutdown()
         wait_for_spans(receiver, 1)
     [exported] = receiver.spans
-    assert exported["service"] == "extproc" and exported["name"] == "extproc.decision.admission"
+    assert exported["service"] == "extproc" and exported["name"] == "extproc.admission"
     assert (exported["trace_id"], exported["parent_span_id"]) == (PARENT_TRACE, PARENT_SPAN)
     attrs = exported["attributes"]
     assert attrs["gen_ai.request.model"] == "llama"
@@ -84,4 +84,5 @@ def test_a_decided_verdict_explains_itself_on_its_span() -> None:
     assert attrs["extproc.charge_ms"] == adm.decision.charge_ms > 0
     assert attrs["extproc.completion_ms"] == adm.decision.completion_ms
     assert attrs["gen_ai.usage.input_tokens"] == 300
-    assert "extproc.service_ms" not in attrs
+    assert attrs["extproc.max_output_tokens"] == adm.cost.max_output_tokens == 50
+    assert "extproc.service_ms" not in attrs and "extproc.output_tokens_charged" not in attrs

@@ -32,7 +32,7 @@ def test_decision_span_is_a_child_of_envoys_span(stack_factory: Any) -> None:
         deadline = time.monotonic() + 15
         ours: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
-            ours = [s for s in receiver.spans if s["name"] == "extproc.decision.admission"]
+            ours = [s for s in receiver.spans if s["name"] == "extproc.admission"]
             envoy = [s for s in receiver.spans if s["service"] == "envoy"]
             if ours and envoy and any(s["span_id"] == ours[0]["parent_span_id"]
                                       for s in envoy):

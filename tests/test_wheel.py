@@ -105,7 +105,7 @@ def test_fresh_venv_serves_with_tracing_on(installed: tuple[Path, Path], tmp_pat
             output = proc.communicate(timeout=30)[0].decode()
     assert "ImportError" not in output and "Traceback" not in output, output[-3000:]
     [span] = receiver.spans
-    assert (span["service"], span["name"]) == ("extproc", "extproc.decision.admission")
+    assert (span["service"], span["name"]) == ("extproc", "extproc.admission")
     assert span["attributes"]["extproc.outcome"] == "admit"
 
 

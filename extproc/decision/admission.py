@@ -175,7 +175,7 @@ class Cost:
     """What one request asks of the GPU, in tokens (times are the model's business)."""
 
     prompt_tokens: int
-    output_tokens: int  # charged: max_tokens (or the pool's default) x choices, the most
+    max_output_tokens: int  # the most it may write: max_tokens (or the pool's default) x choices
     typical_tokens: float | None = None  # ``o``, of one sequence; None: the most it may write
     promised_tokens: float | None = None  # ``L``, of its longest sequence; None: the most
     held_tokens: float | None = None  # a sequence's output in the KV cache; None: typical
@@ -192,7 +192,7 @@ class Cost:
     @property
     def most(self) -> float:
         """The most one sequence may write: ``max_tokens`` (or the pool's default)."""
-        return self.output_tokens / self.sequences
+        return self.max_output_tokens / self.sequences
 
     @property
     def kv(self) -> float:

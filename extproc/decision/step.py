@@ -426,7 +426,7 @@ def miss_chance(cost: Cost, decision: Decision, policy: Policy, learning: PoolLe
                 service_class: str) -> float:
     """The chance the admitted request misses its deadline as predicted: its answer longer
     than what its deadline leaves after its predicted first token at its predicted step."""
-    if cost.output_tokens <= 0 or decision.step_ms <= 0:
+    if cost.max_output_tokens <= 0 or decision.step_ms <= 0:
         return 0.0
     fits = (policy.deadline_ms - decision.ttft_ms) / decision.step_ms
     if fits >= cost.most:
@@ -445,7 +445,7 @@ def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLe
                 service_class: str) -> float:
     """The chance the request's answer is too long for its budget even alone on an idle
     replica (``extproc.decision.learning``: such misses do not tighten the promise)."""
-    if cost.output_tokens <= 0:
+    if cost.max_output_tokens <= 0:
         return 0.0
     longest = longest_alone(cost, capacity, policy)
     if longest >= cost.most:

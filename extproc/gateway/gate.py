@@ -341,7 +341,7 @@ class Gate:
         d = adm.decision
         record = decisionlog.Record(
             time.time(), verdict.pool or "", verdict.service_class or "",
-            adm.cost.prompt_tokens, adm.cost.output_tokens, adm.policy.deadline_ms,
+            adm.cost.prompt_tokens, adm.cost.max_output_tokens, adm.policy.deadline_ms,
             verdict.outcome.value, verdict.reason.value, self.config.mode.value,
             d.completion_ms if d else None, d.wait_ms if d else None,
             tenant=verdict.tenant.name if verdict.tenant is not None else None,

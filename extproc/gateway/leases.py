@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from extproc.gateway.verdict import Ticket
     from extproc.observability.metrics import Metrics
 
-# The gate's logs keep the logger they always had (``extproc.gateway.gate``): dashboards filter on
-# it.
+# The ledger's events log under the gate's logger (``extproc.gateway.gate``): one logger for a
+# decision's path, which dashboards filter on.
 log = logging.getLogger("extproc.gateway.gate")
 
 HEARTBEATS_PER_LEASE = 3  # a lease survives two lost heartbeats

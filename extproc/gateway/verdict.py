@@ -121,9 +121,9 @@ class Verdict:
         return self.admission.cost.prompt_tokens if self.admission is not None else 0
 
     @property
-    def output_tokens(self) -> int:
-        """The output charged."""
-        return self.admission.cost.output_tokens if self.admission is not None else 0
+    def max_output_tokens(self) -> int:
+        """The most output it may write (``Cost.max_output_tokens``)."""
+        return self.admission.cost.max_output_tokens if self.admission is not None else 0
 
     @property
     def blocks(self) -> bool:

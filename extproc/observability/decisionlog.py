@@ -5,11 +5,12 @@ mode with it, then ``extproc replay --trace PATH`` shows what enforcing would ha
 traffic. A line never holds prompt text or anything else from the body but token counts:
 
     {"time": 1764460800.123, "pool": "llama", "class": "latency", "prompt_tokens": 812,
-     "charged_tokens": 256, "deadline_ms": 30000.0, "decision": "admit", "reason": "fits",
+     "max_output_tokens": 256, "deadline_ms": 30000.0, "decision": "admit", "reason": "fits",
      "mode": "shadow", "predicted_ms": 2310.4, "wait_ms": 0.0, "duration_ms": 2875.2}
 
-``time`` is wall-clock seconds (to line up with other logs); ``charged_tokens`` is the output
-the decision charged (``max_tokens`` or the pool default, times choices); ``decision`` and
+``time`` is wall-clock seconds (to line up with other logs); ``max_output_tokens`` is the most
+output the request may write (``max_tokens`` or the pool default, times choices; logs written
+before it had this name call it ``charged_tokens``, and are read either way); ``decision`` and
 ``reason`` are the ``Outcome`` and ``Reason`` values; ``predicted_ms`` is the predicted
 completion; ``tenant`` (only with tenant attribution on, ``extproc.gateway.tenant``) is who was
 charged. ``duration_ms`` is the measured time from the decision to the end of the request's
@@ -41,7 +42,7 @@ class Record:
     pool: str
     service_class: str
     prompt_tokens: int
-    charged_tokens: int
+    max_output_tokens: int
     deadline_ms: float
     decision: str
     reason: str
@@ -57,7 +58,7 @@ class Record:
     def to_json(self) -> str:
         row: dict[str, Any] = {
             "time": round(self.time_s, 3), "pool": self.pool, "class": self.service_class,
-            "prompt_tokens": self.prompt_tokens, "charged_tokens": self.charged_tokens,
+            "prompt_tokens": self.prompt_tokens, "max_output_tokens": self.max_output_tokens,
             "deadline_ms": self.deadline_ms, "decision": self.decision, "reason": self.reason,
             "mode": self.mode,
             "predicted_ms": None if self.predicted_ms is None else round(self.predicted_ms, 1),
@@ -132,7 +133,9 @@ def _record(raw: Any, where: str) -> Record:
     try:
         return Record(
             time_s=float(raw["time"]), pool=str(raw["pool"]), service_class=str(raw["class"]),
-            prompt_tokens=int(raw["prompt_tokens"]), charged_tokens=int(raw["charged_tokens"]),
+            prompt_tokens=int(raw["prompt_tokens"]),
+            max_output_tokens=int(raw["max_output_tokens"] if "max_output_tokens" in raw
+                                  else raw["charged_tokens"]),  # (its name before)
             deadline_ms=float(raw["deadline_ms"]), decision=str(raw["decision"]),
             reason=str(raw.get("reason", "")), mode=str(raw.get("mode", "")),
             predicted_ms=_opt_float(raw.get("predicted_ms")),

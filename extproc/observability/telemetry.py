@@ -101,7 +101,7 @@ class Tracing:
         token = otel_context.attach(parent)
         try:
             with self._tracer.start_as_current_span(
-                    "extproc.decision.admission", kind=trace.SpanKind.INTERNAL) as span:
+                    "extproc.admission", kind=trace.SpanKind.INTERNAL) as span:
                 yield DecisionSpan(span)
         finally:
             otel_context.detach(token)
@@ -118,7 +118,7 @@ def annotate(span: DecisionSpan, verdict: Verdict, seconds: float, mode: str) ->
     span.set(pool=verdict.pool, service_class=verdict.service_class, mode=mode,
              outcome=verdict.outcome.value, reason=verdict.reason.value,
              prompt_tokens=verdict.prompt_tokens or None,
-             output_tokens_charged=verdict.output_tokens or None,
+             max_output_tokens=verdict.max_output_tokens or None,
              decision_ms=round(seconds * 1000.0, 3))
     if verdict.held_ms:
         span.set(held_ms=round(verdict.held_ms, 3))

@@ -64,7 +64,6 @@ class Attempt(Sequence):
         "arrival",
         "ask",
         "batch",
-        "charged_tokens",
         "deadline_s",
         "finished_at",
         "first_token_at",
@@ -72,6 +71,7 @@ class Attempt(Sequence):
         "groups",
         "job",
         "key",
+        "max_output_tokens",
         "number",
         "outcome",
         "queued_at",
@@ -83,12 +83,13 @@ class Attempt(Sequence):
     )
 
     def __init__(self, job: Job, number: int, arrival: float, key: str, output_tokens: int,
-                 charged_tokens: int, deadline_s: float, ttft_objective_s: float | None) -> None:
+                 max_output_tokens: int, deadline_s: float, ttft_objective_s: float | None
+                 ) -> None:
         super().__init__(job.prompt_tokens, output_tokens, job.prefix_key, job.prefix_tokens)
         self.job = job
         self.number = number  # 0 for the first send, then 1, 2, ... for retries
         self.arrival = arrival
-        self.charged_tokens = charged_tokens  # what the gateway charges (max_tokens or default)
+        self.max_output_tokens = max_output_tokens  # max_tokens (or the default): the most
         self.deadline_s = deadline_s
         self.ttft_objective_s = ttft_objective_s
         self.key = key

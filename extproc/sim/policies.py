@@ -187,7 +187,7 @@ class ArticleFormula:
     def decide(self, cost: Cost, true_output: int, snapshot: Snapshot, capacity: Capacity,
                policy: Policy, now: float, view: EngineView) -> Decision:
         e = capacity.engine
-        own = cost.prompt_tokens * e.ms_per_token + cost.output_tokens * e.itl_ms(1)
+        own = cost.prompt_tokens * e.ms_per_token + cost.max_output_tokens * e.itl_ms(1)
         wait = snapshot.outstanding_ms / max(capacity.replicas, 1)
         completion = wait + own
         budget = policy.budget_ms

@@ -289,7 +289,7 @@ class Simulation:
         self._sample.arrivals += 1
         pool, config, learning = self.pool, self.config, self.learning
         batch = config.classes[job.service_class].batch
-        charged = job.max_tokens or pool.default_max_tokens
+        most = job.max_tokens or pool.default_max_tokens
         room = self.scenario.engine.max_model_len - job.prompt_tokens
         output = min(job.output_tokens, job.max_tokens or job.output_tokens, max(1, room))
         tenant = job.tenant if config.tenant.source is not TenantSource.NONE else None
@@ -303,7 +303,7 @@ class Simulation:
             res.tally(g).attempts += 1
         self._keys += 1
         policy = class_policy(self.rules, job.service_class, job.deadline_ms)
-        a = Attempt(job, number, now, str(self._keys), output, charged,
+        a = Attempt(job, number, now, str(self._keys), output, most,
                     policy.deadline_ms / 1000.0,
                     None if policy.ttft_ms is None else policy.ttft_ms / 1000.0)
         a.batch, a.ask = batch, ask
@@ -551,7 +551,7 @@ class Simulation:
             res.gpu_s += a.gpu_s
             self._timed(a, replica_left)
             if a.finished_at >= 0.0:
-                self.learning.finished(a.output_tokens, cut=a.output_tokens >= a.charged_tokens)
+                self.learning.finished(a.output_tokens, cut=a.output_tokens >= a.max_output_tokens)
                 res.completed += 1
                 self._window.completed += 1
                 self._release(a, completed=True)

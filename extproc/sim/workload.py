@@ -335,10 +335,10 @@ def read_decision_log(path: str | os.PathLike[str], *, pool: str | None = None,
             gen_ms = rec.duration_ms - rec.prompt_tokens * prefill_ms_per_token
             output = max(1, round(gen_ms / itl_ms))
         else:
-            output = rec.charged_tokens
+            output = rec.max_output_tokens
         jobs.append(Job(arrival_s=(rec.time_s - t0) / rate_x,
                         prompt_tokens=max(1, rec.prompt_tokens), output_tokens=max(1, output),
-                        max_tokens=rec.charged_tokens or None,
+                        max_tokens=rec.max_output_tokens or None,
                         service_class=rec.service_class, deadline_ms=rec.deadline_ms,
                         tenant=rec.tenant or "default", priority=rec.priority))
     jobs.sort(key=lambda j: j.arrival_s)
