@@ -190,7 +190,7 @@ def test_a_decision_log_from_before_the_rename_still_reads(tmp_path: Path) -> No
     assert job.max_tokens == 96 and job.prompt_tokens == 500
     del line["charged_tokens"]
     old.write_text(json.dumps(line) + "\n")
-    with pytest.raises(ConfigError, match="old.jsonl"):
+    with pytest.raises(ConfigError, match=r"old\.jsonl"):
         workload.read_decision_log(old)
 
 
