@@ -57,13 +57,13 @@ def test_the_prompt_adds_template_and_flat_part_costs(llama3: TokenizerCounter) 
     assert prompt_tokens(ids, pool, 0) == 7
 
 
-def test_the_charge_is_max_tokens_times_choices_and_zero_for_embeddings() -> None:
+def test_the_most_output_is_max_tokens_times_choices_and_zero_for_embeddings() -> None:
     pool = Pool(name="p", default_max_tokens=300)
     learning = learning_for(pool)
-    assert cost_of(Ask("latency", 10, 50, choices=3), pool, learning).output_tokens == 150
-    assert cost_of(Ask("latency", 10, None), pool, learning).output_tokens == 300
+    assert cost_of(Ask("latency", 10, 50, choices=3), pool, learning).max_output_tokens == 150
+    assert cost_of(Ask("latency", 10, None), pool, learning).max_output_tokens == 300
     embedding = cost_of(Ask("throughput", 10, None, prefill_only=True), pool, learning)
-    assert (embedding.output_tokens, embedding.typical, embedding.promised) == (0, 0.0, 0.0)
+    assert (embedding.max_output_tokens, embedding.typical, embedding.promised) == (0, 0.0, 0.0)
 
 
 def test_requests_deciding_together_are_counted_in_one_batch(llama3_tokenizer: str) -> None:
