@@ -1,5 +1,4 @@
-"""The decision (extproc.decision.admission): the docstring's formula, case by case and as
-properties."""
+"""The decision (decision.admission): the docstring's formula, case by case and as properties."""
 
 import dataclasses
 import math

@@ -1,5 +1,4 @@
-"""``kill -9`` of a gateway holding requests (``extproc.decision.defer``), beside another on one
-Redis.
+"""``kill -9`` of a gateway holding requests (``decision.defer``), beside another on one Redis.
 
 Two ``extproc serve`` processes share a Redis ledger and one slot. Gateway A runs the request
 in that slot and holds one more; gateway B holds one. A is killed: only A's streams fail (at

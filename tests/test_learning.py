@@ -1,5 +1,4 @@
-"""What pools learn (extproc.decision.learning): the promise's feedback loop and interactive
-demand."""
+"""What pools learn (decision.learning): the promise's feedback loop and interactive demand."""
 
 import math
 import random

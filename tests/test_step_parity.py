@@ -1,7 +1,6 @@
 """The gateway and the simulator take the same decisions: the same requests, clock and capacity
-through ``Gate`` (in-process ledger) and through the simulator's gateway give identical
-verdicts, Retry-After hints and ledger states (extproc.decision.step is the one place they come
-from)."""
+through ``Gate`` (in-process ledger) and through the simulator's gateway give identical verdicts,
+Retry-After hints and ledger states (extproc.decision.step is the one place they come from)."""
 
 from __future__ import annotations
 

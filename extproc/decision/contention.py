@@ -1,7 +1,6 @@
-"""What a request must leave to others when the pool is contended: the admission step's use
-of priorities, fair shares and tenant caps (the rules themselves, pure, are
-``extproc.decision.share``; the step, ``extproc.decision.step``, calls these after ``decide``
-admitted).
+"""What a request must leave to others when the pool is contended: the admission step's use of
+priorities, fair shares and tenant caps (the rules themselves, pure, are ``extproc.decision.share``;
+the step, ``extproc.decision.step``, calls these after ``decide`` admitted).
 
 - ``caps`` / ``at_cap``: a tenant's hard caps, checked on the ledger's snapshot (refused
   ``TENANT_CAP``) and handed to the ledger's atomic reserve.

@@ -105,10 +105,9 @@ ahead of it. Each gateway replica sees only its own admissions: behind several g
 scales its backlog by the share of the ledger's requests in flight that it holds
 (``extproc.decision.step.admit``), so two gateways sharing a ledger see the burst one gateway would.
 
-Length: past the house's ~400 lines because a sixth is this docstring; the code is small
-state objects (``Promise``, ``Spread``, ``Backlog``, ``Demand``) and the ``PoolLearning`` that
-composes them and keeps each admitted request's record (``extproc.decision.running``) until its
-deadline.
+Length: past the house's ~400 lines because a sixth is this docstring; the code is small state
+objects (``Promise``, ``Spread``, ``Backlog``, ``Demand``) and the ``PoolLearning`` that composes
+them and keeps each admitted request's record (``extproc.decision.running``) until its deadline.
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ What becomes of a request, beyond ``decide``:
   arriving after it and after the headroom, would still be admitted: batch work takes only the
   capacity the interactive classes do not need for their objectives, slots and step time alike;
 - **priorities, fair shares and tenant caps** (``extproc.decision.contention``): a tenant at a hard
-cap
-  is refused; an admitted request of a lower priority, or of a tenant over its share of a
+  cap is refused; an admitted request of a lower priority, or of a tenant over its share of a
   contended pool, must still fit after the room kept for the traffic it must not crowd out;
 - every request that runs is recorded, with a lease of its predicted completion plus
   ``ledger.lease_grace_ms``, and reserved against the decision's ceiling less the engines'

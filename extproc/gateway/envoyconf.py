@@ -616,8 +616,7 @@ def _trust_tenant_source(doc: _Doc, tenant: TenantConfig, hcm: HttpConnectionMan
       would be too late: the router applies it after ext_proc has seen the header). Only a
       filter of this chain, e.g. jwt_authn's ``claim_to_headers``, can set it again.
     - ``priority.header`` (extproc.decision.share) is trusted the same way: removed early, set only
-    by
-      the operator's filters (from a verified claim, or per route).
+      by the operator's filters (from a verified claim, or per route).
     """
     if tenant.source is TenantSource.NONE and priority_header is None:
         return

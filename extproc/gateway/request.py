@@ -112,9 +112,9 @@ def check_content_type(value: str | None) -> None:
 
 
 def forwarded_headers(config: Config) -> tuple[str, ...]:
-    """The request headers the sidecar reads (server.py, gate.py, tenant.py, telemetry.py),
-    the only ones Envoy sends it (``extproc.gateway.envoyconf``). Pseudo-headers count as headers
-    for Envoy's matcher."""
+    """The request headers the sidecar reads (server.py, gate.py, tenant.py, telemetry.py), the only
+    ones Envoy sends it (``extproc.gateway.envoyconf``). Pseudo-headers count as headers for Envoy's
+    matcher."""
     names = [":path", ":method", "content-type", "content-length", "content-encoding",
              config.deadline_header, "traceparent", "tracestate"]
     if config.tenant.source is TenantSource.HEADER:

@@ -73,12 +73,11 @@ class Answer:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One request's answer: the step's ``Admission`` when it decided (what was decided, on
-    what, and its tokens), else an ``Answer``; its ``outcome`` and ``reason`` (the metric
-    labels), class and error are read from it, never copied. A verdict that refuses after the
-    step (a fail-closed ledger outage, ``contended``, ``refused_held``) refuses the admission
-    itself (``Admission.refused``). The ``ticket`` is that of a request that will reach the
-    backend.
+    """One request's answer: the step's ``Admission`` when it decided (what was decided, on what,
+    and its tokens), else an ``Answer``; its ``outcome`` and ``reason`` (the metric labels), class
+    and error are read from it, never copied. A verdict that refuses after the step (a fail-closed
+    ledger outage, ``contended``, ``refused_held``) refuses the admission itself
+    (``Admission.refused``). The ``ticket`` is that of a request that will reach the backend.
 
     ``enforced`` is False in shadow mode: a rejected request continues all the same, so only
     ``blocks`` says whether the server answers in the backend's place."""

@@ -23,8 +23,7 @@ Contract (every implementation passes the same tests, ``tests/test_ledger_contra
   tokens the entries will hold (each entry's ``kv_tokens``, its prompt and typical output),
   and per group with entries, its count and work.
 - Groups (``entry.groups``: its priority and tenant, ``extproc.decision.share``) are counted with
-the
-  totals, in the same atomic steps; a group whose last entry goes leaves nothing behind.
+  the totals, in the same atomic steps; a group whose last entry goes leaves nothing behind.
 - ``wait(pool, gateway, level, lease_ms)`` publishes the highest priority level a gateway holds
   requests of (``extproc.decision.defer``; None: it holds none), replacing what it published before,
   for ``lease_ms``. ``reserve`` of an entry with a ceiling answers ``YIELDED`` (refused,

@@ -169,13 +169,11 @@ class Metrics:
         self.recommendations = Counter(
             "extproc_autoscale_recommendations", "Recommendations, one per control window.",
             ["pool", "direction", "reason", "reading"], registry=self.registry)
-        # who is charged (extproc.gateway.tenant): tenant is a configured name, the default or
-        # "other"
+        # who is charged (gateway.tenant): tenant is a configured name, the default or "other"
         self.tenant_decisions = Counter(
             "extproc_tenant_decisions", "Admission decisions by the tenant charged.",
             ["pool", "tenant", "outcome"], registry=self.registry)
-        # priorities and fair shares (extproc.decision.share): a priority is a level's name or
-        # number
+        # priorities and fair shares (decision.share): a priority is a level's name or number
         self.priority_decisions = Counter(
             "extproc_priority_decisions", "Admission decisions by priority.",
             ["pool", "priority", "outcome", "reason"], registry=self.registry)

@@ -1,5 +1,4 @@
-"""One inference replica in virtual time: ``extproc.fleet.engine.Scheduler`` driven by the event
-loop.
+"""One inference replica in virtual time: ``fleet.engine.Scheduler`` driven by the event loop.
 
 The scheduler is the one the fake backend runs (vLLM V1's rules: a token budget per step,
 chunked prefill, KV blocks allocated as sequences grow, preemption of the newest sequence by

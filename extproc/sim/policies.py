@@ -18,15 +18,13 @@
   ``outstanding_ms / replicas + own_ms <= deadline x safety`` admits (no infeasible case, no
   TTFT check).
 - ``default``: the product: the admission step (``extproc.decision.step.admit``) the gateway runs,
-fed
-  what the gateway knows (holding what fits after a wait if the scenario's configuration turns
+  fed what the gateway knows (holding what fits after a wait if the scenario's configuration turns
   ``defer`` on; it is off by default).
 - ``defer``: the same, holding what fits after a wait (``extproc.decision.defer``) whatever
 configured.
-- ``oracle``: clairvoyant about lengths: the same step told each request's true output length
-  as its promise instead of the learned quantile. Its goodput bounds what a better
-  output-length predictor could buy the default; the default's gap to it is what not knowing
-  lengths costs.
+- ``oracle``: clairvoyant about lengths: the same step told each request's true output length as its
+  promise instead of the learned quantile. Its goodput bounds what a better output-length predictor
+  could buy the default; the default's gap to it is what not knowing lengths costs.
 
 ``none``, ``default``, ``defer`` and ``oracle`` run the production step; the others are
 baselines that exist only here.

@@ -139,8 +139,7 @@ class Simulation:
         # What the gateway learns: output lengths (each completion), promises, demand, mix.
         self.learning = PoolLearning(Prior(self.pool.expected_output_tokens or Prior.mean,
                                            self.pool.long_output_tokens or Prior.p99))
-        # What the gateway holds (``extproc.decision.defer``), with the product's step and
-        # ``defer``.
+        # What the gateway holds (``decision.defer``), with the product's step and ``defer``.
         defer = self.config.defer
         self._defers = policy.uses_step and policy.enforce and defer.enabled
         self.queue = Queue(defer.max_waiting, defer.max_waiting_per_tenant, self._displaced)
