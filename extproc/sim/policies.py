@@ -21,7 +21,7 @@
   fed what the gateway knows (holding what fits after a wait if the scenario's configuration turns
   ``defer`` on; it is off by default).
 - ``defer``: the same, holding what fits after a wait (``extproc.decision.defer``) whatever
-configured.
+  configured.
 - ``oracle``: clairvoyant about lengths: the same step told each request's true output length as its
   promise instead of the learned quantile. Its goodput bounds what a better output-length predictor
   could buy the default; the default's gap to it is what not knowing lengths costs.
