@@ -303,5 +303,6 @@ def test_kubernetes_in_cluster_settings(tmp_path: Path) -> None:
     assert v6.api.url == "https://[fd00::1]:443"
     with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_HOST"):
         ApiServer.in_cluster({})
+    assert ApiServer("https://10.96.0.1:443/").url == "https://10.96.0.1:443"  # as given, less /
     with pytest.raises(ConfigError, match="unknown pool 'mistral'"):
         KubernetesCapacity(POOLS, {"mistral": "a/b"}, api=ApiServer("http://x"))

@@ -349,6 +349,9 @@ class ApiServer:
     watch_timeout_s: int = 300
     retry_s: float = 1.0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", self.url.rstrip("/"))  # paths are appended to it
+
     @classmethod
     def in_cluster(cls, environ: Mapping[str, str] = os.environ, **settings: Any) -> ApiServer:
         """The API as a pod sees it: ``KUBERNETES_SERVICE_HOST``/``_PORT``."""
