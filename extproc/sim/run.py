@@ -345,7 +345,7 @@ class Simulation:
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
                 adm = adm.refused(Reason.PRIORITY)  # a higher band is held (extproc.decision.defer)
             outcome, retry_ms = adm.outcome, adm.retry_after_ms
-            service = adm.decision.charge_ms if adm.decision is not None else 0.0
+            charge_ms = adm.decision.charge_ms if adm.decision is not None else 0.0
             kv = adm.kv_tokens
             if self._defers and outcome is Outcome.REJECT and adm.reason in DEFERRABLE:
                 if held is not None and now < held.until:
@@ -368,7 +368,7 @@ class Simulation:
                                           snapshot, capacity, policy, now,
                                           self._engine_view(now))
             outcome, retry_ms = decision.outcome, decision.retry_after_ms
-            service, kv = decision.charge_ms, job.prompt_tokens
+            charge_ms, kv = decision.charge_ms, job.prompt_tokens
         if held is not None:
             self.queue.sent(held) if outcome is not Outcome.REJECT else self.queue.remove(held)
         if outcome is Outcome.REJECT:
@@ -407,7 +407,7 @@ class Simulation:
         # No stream is lost here, so no lease needs to end one: every entry outlives its
         # client's patience (the gateway's leases are ``Admission.lease_ms``, renewed).
         lease_ms = (self.scenario.clients.timeout_s + 60.0) * 1000.0
-        self.ledger.reserve(Entry(a.key, pool.name, service, lease_ms, kv, ask.groups))
+        self.ledger.reserve(Entry(a.key, pool.name, charge_ms, lease_ms, kv, ask.groups))
         self._inflight.append(a)
         target = self.target(job.prefix_key)
         assert target is not None

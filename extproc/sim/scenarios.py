@@ -141,7 +141,7 @@ class Rate:
 
     def __post_init__(self) -> None:
         if self.load is not None and self.rate_x is not None:
-            raise ConfigError(["give at most one of --scale and --rate-x"])
+            raise ConfigError(["give at most one of a load (--scale) and a rate (--rate-x)"])
 
     def factor(self, fleet: Fleet, jobs: Sequence[Job]) -> float:
         """What the trace's arrival rate is multiplied by."""
