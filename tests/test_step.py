@@ -126,6 +126,23 @@ def test_a_client_tightened_deadline_can_refuse_a_request_never_pass_it() -> Non
     assert not adm.runs
 
 
+def test_only_what_would_miss_its_deadline_itself_alone_is_refused_as_infeasible() -> None:
+    """The safety factor is a margin for predictions under load: a request that would finish
+    alone within its deadline, though not within its safety share, is no 400 ("cannot finish
+    even on an idle fleet" would be false); it is decided like any request the model finds
+    too long for its budget (passed into a free slot, here the idle fleet's)."""
+    alone_ms = step(Ask("latency", 500, 200)).decision.completion_ms
+    safety = RULES.classes["latency"].safety_factor
+    stated = alone_ms * (1.0 + (1.0 / safety - 1.0) / 2.0)  # budget < alone <= deadline
+    for config in (CONFIG, settings(infeasible="reject")):
+        adm = step(Ask("latency", 500, 200, deadline_ms=stated), config=config)
+        assert adm.error is None and adm.runs
+        assert adm.reason is Reason.INFEASIBLE  # (still too long for its budget)
+    # past the deadline itself, alone: the 400
+    late = step(Ask("latency", 500, 200, deadline_ms=alone_ms * 0.99))
+    assert late.error is not None and late.error.code == "deadline_infeasible"
+
+
 def test_an_infeasible_request_passes_only_into_a_free_slot() -> None:
     huge = Ask("latency", 6000, 2000)  # 6,000 tokens of prefill: past the 400 ms TTFT budget
     free = step(huge, Snapshot(3, 3_000))

@@ -24,10 +24,12 @@ What becomes of a request, beyond ``decide``:
   outputs, the first ``PRIOR_SAMPLES`` requests in flight are promised the typical length
   (optimistic until measured, for a few: a prior's tail alone could refuse every request of a
   class whose answers are shorter than assumed, and teach nothing);
-- **infeasible** (its typical length would miss its deadline even on an idle replica):
+- **infeasible** (its typical length would miss its budget even on an idle replica):
   - if the client's deadline header made it so: 400 ``deadline_infeasible`` (a client-tightened
     deadline can get a request refused, never let it through unmanaged);
   - with ``infeasible: reject``: 400 ``deadline_infeasible``;
+  - either only if alone it would miss the deadline (or first-token objective) itself, not
+    only the safety factor's share of it (``misses_alone``); otherwise, as under pass:
   - with ``infeasible: pass`` (the default): it runs if a slot is free now and a typical
     interactive request after it would still be admitted (as for batch work, below; recorded
     in the ledger like any request), and otherwise gets a 429: it never waits in a queue in
@@ -290,7 +292,7 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
         decision = dataclasses.replace(decision, outcome=outcome, reason=reason)
     elif reason is Reason.INFEASIBLE:
         tightened = policy.deadline_ms < rules.classes[ask.service_class].deadline_ms
-        if tightened or rules.infeasible is Infeasible.REJECT:
+        if (tightened or rules.infeasible is Infeasible.REJECT) and misses_alone(decision, policy):
             error = BadRequest(
                 "request cannot finish within its deadline even on an idle fleet; lower"
                 " max_tokens or raise the deadline", code="deadline_infeasible")
@@ -345,6 +347,15 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
         alone=snapshot.inflight < replicas, limit=limit,
         alone_ms=first + cost.typical * pool.engine.itl_ms(1, cost.prompt_tokens),
         first_alone_ms=first, share=share, streaming=ask.streaming)
+
+
+def misses_alone(decision: Decision, policy: Policy) -> bool:
+    """Whether an infeasible request (``decision``: its typical length alone on an idle
+    replica) would miss its deadline or first-token objective themselves, not only the
+    safety factor's share of them (the margin for predictions under load): only then is it
+    refused with a 400."""
+    return decision.completion_ms > policy.deadline_ms or (
+        policy.ttft_ms is not None and decision.ttft_ms > policy.ttft_ms)
 
 
 def _left(whole: Policy, now: Policy) -> float:
