@@ -20,6 +20,7 @@ from extproc.fleet.enginestats import (
     parse,
     speed_since,
     timing_increase,
+    waits_for_compute,
 )
 from extproc_dev.stack import Process, free_port, wait_http
 
@@ -114,6 +115,21 @@ def test_a_rounds_speed_is_over_every_target_and_only_once_both_moved() -> None:
     assert speed_since([(first, no_first)]) is None  # no new first token: no round
 
 
+def test_a_replica_waits_for_compute_only_with_a_free_slot_and_kv_room() -> None:
+    """The measured level's congestion signal (``waits_for_compute``): requests waiting while
+    a slot and a typical request's KV cache are free wait for the step's token budget; a
+    full batch or a full cache is a wait the admission's own checks see."""
+    need = 3_000.0
+    assert waits_for_compute(EngineSample(2, 10, 0.5), 256, 100_000, need)
+    assert not waits_for_compute(EngineSample(0, 10, 0.5), 256, 100_000, need)  # no queue
+    assert not waits_for_compute(EngineSample(2, 256, 0.5), 256, 100_000, need)  # slots full
+    assert not waits_for_compute(EngineSample(2, 10, 0.98), 256, 100_000, need)  # KV full
+    assert waits_for_compute(EngineSample(2, 10, None), 256, 100_000, need)  # (not reported)
+    # the cache the engine reports, not the configured one: 1,000 blocks of 16 = 16,000 tokens
+    assert not waits_for_compute(EngineSample(2, 10, 0.9, kv_blocks=(1000, 16)), 256,
+                                 1_000_000, need)
+
+
 def test_a_page_without_engine_metrics_is_a_failure_not_zeros() -> None:
     with pytest.raises(ValueError, match="no vLLM or TGI"):
         parse("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3.2\n")
@@ -185,8 +201,11 @@ class Clock:
 async def test_scrapes_real_replicas_and_flags_stale(backends: list[tuple[str, Process]]) -> None:
     (addr0, _), (addr1, proc1) = backends
     clock = Clock()
-    stats = EngineStats({"llama": [addr0, addr1]}, timeout_s=0.5, max_age_s=5.0, clock=clock)
+    rounds: list[list[EngineSample]] = []
+    stats = EngineStats({"llama": [addr0, addr1]}, timeout_s=0.5, max_age_s=5.0, clock=clock,
+                        on_round=lambda pool, samples: rounds.append(list(samples)))
     idle = await stats.scrape("llama")
+    assert len(rounds) == 1 and len(rounds[0]) == 2
     assert (idle.waiting, idle.running, idle.fresh, idle.stale) == (0, 0, 2, False)
 
     body = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}],
@@ -202,6 +221,12 @@ async def test_scrapes_real_replicas_and_flags_stale(backends: list[tuple[str, P
                 await asyncio.sleep(0.05)
             # one runs, two wait behind it (max_running 1), all on replica 0
             assert (busy.waiting, busy.running) == (2, 1)
+            # each round's samples go to ``on_round``: with a sequence limit of one the two
+            # wait for a slot; with four (a free slot, KV room) they would wait for compute
+            queued = [s for s in rounds[-1] if s.waiting]
+            assert len(queued) == 1
+            assert not waits_for_compute(queued[0], 1, 10_000, 150.0)
+            assert waits_for_compute(queued[0], 4, 10_000, 150.0)
             assert busy.kv_usage_max is not None and busy.kv_usage_max > 0
             assert busy.kv_usage_mean == pytest.approx(busy.kv_usage_max / 2)
 

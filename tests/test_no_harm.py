@@ -19,7 +19,7 @@ import pytest
 
 from extproc import config as config_mod
 from extproc.decision.admission import Outcome, Reason, Snapshot
-from extproc.decision.learning import PoolLearning, learning_for
+from extproc.decision.learning import SPEED_MAX_AGE_S, PoolLearning, learning_for
 from extproc.decision.level import BACKOFF, Level
 from extproc.decision.rules import Rules
 from extproc.decision.running import Running
@@ -139,6 +139,37 @@ def test_cold_start_the_level_climbs_as_requests_complete_not_as_deadlines_come(
         now += 1.0
     assert now < DEADLINE_S  # no deadline has come
     assert seen[0] <= 2 * R and seen[-1] == R * SLOTS, seen
+
+
+def test_while_the_engines_queue_for_compute_the_level_climbs_a_request_at_a_time() -> None:
+    """Congestion (docs/admission.md): while the engines' last scrape round found requests
+    waiting for compute, a completion at the top supports one request more, not a multiple;
+    a round without the queue, or none for longer than a stale scrape counts, and the level
+    probes again. The same climb as the cold start's, two ways."""
+
+    def climb(queued: bool, every_round: bool = True) -> list[int]:
+        """The cold start's climb, the engines scraped each second (or only at its start)."""
+        learning = bimodal()
+        now, seen = 0.0, []
+        for _ in range(12):
+            if every_round or now == 0.0:
+                learning.engines_round(queued, now)
+            admitted = fill(learning, now)
+            seen.append(len(admitted))
+            end(learning, admitted, now, 1.0)
+            now += 1.0
+        return seen
+
+    probing = climb(False)  # every round: no queue
+    queued = climb(True)  # every round: a compute queue
+    assert probing[-1] == R * SLOTS and queued[-1] < probing[-1] / 2, (probing, queued)
+    assert queued[-1] > queued[0]  # it still climbs, a request at a time
+    assert climb(True, every_round=False) == queued  # the last round counts while fresh
+    stale = bimodal()
+    stale.engines_round(True, 0.0)
+    assert stale.queued(SPEED_MAX_AGE_S) and not stale.queued(SPEED_MAX_AGE_S + 1.0)
+    stale.engines_round(False, 1.0)
+    assert not stale.queued(1.0)
 
 
 def test_two_gateways_on_one_ledger_each_climb_on_their_own_share_of_completions() -> None:

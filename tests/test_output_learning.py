@@ -21,7 +21,7 @@ from extproc import config
 from extproc.decision.lengths import Lengths, Prior, decay_factor
 from extproc.errors import ConfigError
 from extproc.fleet.capacity import StaticCapacity
-from extproc.fleet.enginestats import EngineStats, histogram_increase, parse
+from extproc.fleet.enginestats import EngineSample, EngineStats, histogram_increase, parse
 from extproc.gateway.gate import Gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.observability.metrics import Metrics
@@ -249,6 +249,23 @@ async def test_the_gate_learns_the_engines_measured_speed(backend: str) -> None:
     # is what the pool keeps, one part of the run, so near the run's mean, in ms not seconds
     assert speed.ttft_ms == pytest.approx(1000.0 * page.ttft[0] / page.ttft[1], rel=0.5)
     assert speed.itl_ms == pytest.approx(1000.0 * page.itl[0] / page.itl[1], rel=0.5)
+
+
+async def test_each_scrape_round_tells_the_level_whether_an_engine_waits_for_compute(
+        backend: str) -> None:
+    """``EngineStats.on_round`` -> ``Gate.learn_round`` -> ``PoolLearning.engines_round``: a
+    replica with requests waiting beside a free slot (the pool's ``max_num_seqs``, 2 here)
+    and KV room waits for compute; the round after, an idle engine scraped for real, does
+    not (``extproc.decision.level``, "Congestion")."""
+    gate, stats, _ = gate_for(backend)
+    learning = gate.learning["llama"]
+    assert stats.on_round is not None and not learning.queued(gate._clock())
+    gate.learn_round("llama", [EngineSample(waiting=3, running=2, kv_usage=0.1)])
+    assert not learning.queued(gate._clock())  # both slots taken: a wait the checks see
+    gate.learn_round("llama", [EngineSample(waiting=3, running=1, kv_usage=0.1)])
+    assert learning.queued(gate._clock())
+    await stats.scrape("llama")  # the real engine: nothing waiting
+    assert not learning.queued(gate._clock())
 
 
 async def test_learning_can_be_turned_off(backend: str) -> None:

@@ -336,6 +336,7 @@ class PoolLearning:
         self._begun_view: Lengths | None = None  # ... with the answers in flight
         self._abandoned_seen = False  # ``begun`` differs from ``lengths`` (else it is a copy)
         self._speed: Speed | None = None  # the engines' last measured speed
+        self._queued_at = -math.inf  # the last scrape round that found a compute queue
         self.class_lengths: dict[str, Lengths] = {}  # inferred from durations (docstring)
         self._asked: dict[str, float] = {}  # requests per class, decayed like the lengths
         self.promises: dict[str, Promise] = {}
@@ -417,6 +418,17 @@ class PoolLearning:
         if itl_ms > 0 and ttft_ms >= 0:
             self._speed = Speed(ttft_ms, itl_ms, now)
 
+    def engines_round(self, queued: bool, now: float) -> None:
+        """One scrape round of the pool's engines: whether one of them holds requests waiting
+        for compute (``extproc.fleet.enginestats.waits_for_compute``); the measured level
+        climbs by one request at a time until a round finds none (``Level.completed``)."""
+        self._queued_at = now if queued else -math.inf
+
+    def queued(self, now: float) -> bool:
+        """The last round found a compute queue, recently enough to count (a scraper that
+        stopped says nothing)."""
+        return now - self._queued_at <= SPEED_MAX_AGE_S
+
     def _abandoned(self, running: Running, seconds: float, now: float) -> None:
         """A stream of this gateway's, running for ``seconds``, was cancelled: its answer had
         at least the tokens the engines' measured speed gives it by then. It stands for the
@@ -491,7 +503,7 @@ class PoolLearning:
             if self.level.level_ms < before:
                 self._cut_at = now
 
-    def _completed(self, running: Running) -> None:
+    def _completed(self, running: Running, now: float) -> None:
         """An admitted request completed within its deadline: the measured level may rise at
         once (``Level.completed``: the way up is clocked by completions, as TCP's slow start
         is by acknowledgements, not by deadlines), unless it was admitted before the level's
@@ -505,7 +517,7 @@ class PoolLearning:
         i = bisect.bisect_right(self._loads, (running.started, math.inf))  # decided after it
         at_ms = max(running.at_ms, self._loads[i][1]) if i < len(self._loads) else running.at_ms
         self.level.completed(at_ms, running.level_ms, running.own_ms,
-                             measured=running.measured)
+                             measured=running.measured, queued=self.queued(now))
 
     def _own(self, service_class: str) -> Lengths:
         own = self.class_lengths.get(service_class)
@@ -605,7 +617,7 @@ class PoolLearning:
         if kept:  # whatever the estimate says, its prompt is prefilled
             self.backlog.tokens = max(0.0, self.backlog.tokens - running.prompt_tokens)
         if kept and completed and not missed:
-            self._completed(running)
+            self._completed(running, now)
         if kept and not completed:
             self._abandoned(running, seconds, now)
         if kept and key is not None and math.isfinite(running.deadline_s):

@@ -33,6 +33,15 @@ The invariants (``docs/admission.md``):
   answers end in a second is full within a dozen seconds of a 20 s deadline
   (``tests/test_no_harm.py``). Completions of requests admitted before a back-off do not undo it
   (``PoolLearning``).
+- **Congestion.** While the engines' last scrape round found a replica holding requests
+  waiting with a free slot and KV room for a typical request (waiting for compute, the step's
+  token budget, which neither the slots nor the KV check the level makes can see:
+  ``extproc.fleet.enginestats.waits_for_compute``), a completion at the top supports one
+  request more, not a multiple: the misses of an overshoot come a deadline after it, the
+  queue at once (the level probes the way TCP's congestion avoidance does after a delay
+  signal). A queue for slots or memory is the admission's own checks' business; on a
+  prefix-aware router's busy replica, with the KV cache full, it read as congestion and cost
+  agentic traffic 0.73-0.83x its goodput (docs/admission.md).
 - **Back-off.** Misses of requests admitted at the top beyond what the baseline allows, by more
   than a Poisson deviation (``over``), resolved at their deadline (``settled``: a long answer
   may still miss after the short ones beside it ended), cut the level by ``BACKOFF``; the
@@ -129,14 +138,16 @@ class Level:
             self._top = self._top_missed = self._top_allowed = 0.0
 
     def completed(self, at_ms: float, level_ms: float, step_ms: float, *,
-                  measured: bool = False) -> None:
+                  measured: bool = False, queued: bool = False) -> None:
         """A request admitted at ``at_ms`` (the level ``level_ms`` then) completed within its
         deadline: if it ran at the top, the pool served ``at_ms`` in time, and the level rises
         to what that supports at once (its statistics wait for its deadline: ``settled``).
-        ``measured``: the level admitted it (the model had refused)."""
+        ``measured``: the level admitted it (the model had refused); ``queued``: the engines
+        hold requests waiting for compute (module docstring, "Congestion"), and it supports
+        one request more, not a multiple."""
         if at_ms < FRONTIER * level_ms:
             return
-        factor = (PROBE if self.probing else CREEP) if measured else 1.0
+        factor = (PROBE if self.probing else CREEP) if measured and not queued else 1.0
         self.level_ms = max(self.level_ms, at_ms * factor, at_ms + step_ms)
 
     def decay(self, factor: float) -> None:

@@ -87,9 +87,11 @@ from extproc.errors import LedgerUnavailable, RequestError
 from extproc.fleet.enginestats import (
     Bucket,
     Correction,
+    EngineSample,
     EngineStats,
     PoolStats,
     correction,
+    waits_for_compute,
     with_reported_kv,
 )
 from extproc.gateway.holding import Holding
@@ -153,6 +155,8 @@ class Gate:
                 self._learns_lengths.add(pool.name)
                 stats.on_lengths = self.learn_lengths
                 stats.on_speed = self.learn_speed
+            if stats is not None:
+                stats.on_round = self.learn_round
             metrics.watch_learning(pool.name, self.learning[pool.name])
         self.listeners = tuple(listeners)  # hear of every verdict and settled ticket
         self.tracing = tracing if tracing is not None else Tracing(TracingConfig())  # off
@@ -181,6 +185,19 @@ class Gate:
         what a cancelled stream's answer is estimated at (``PoolLearning.engine_speed``)."""
         if pool in self._learns_lengths:
             self.learning[pool].engine_speed(ttft_ms, itl_ms, self._clock())
+
+    def learn_round(self, pool: str, samples: Sequence[EngineSample]) -> None:
+        """One scrape round of the pool's engines (``EngineStats.on_round``): whether one of
+        them holds requests waiting for compute, for the measured level's climb
+        (``PoolLearning.engines_round``)."""
+        config, learning = self._pools.get(pool), self.learning.get(pool)
+        if config is None or learning is None:
+            return
+        mix = learning.mix()
+        need = mix.prompt_tokens + mix.output_tokens
+        engine = config.engine
+        learning.engines_round(any(waits_for_compute(s, engine.max_num_seqs, engine.kv_tokens,
+                                                     need) for s in samples), self._clock())
 
     def forget(self) -> None:
         """Decay what the pools learned by the time since the last call (``decay_factor``:

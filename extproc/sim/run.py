@@ -54,7 +54,7 @@ from extproc.decision.step import (
     priority_of,
     running_of,
 )
-from extproc.fleet.enginestats import Correction
+from extproc.fleet.enginestats import Correction, EngineSample, waits_for_compute
 from extproc.gateway.retry import retry_delay_ms
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
@@ -133,6 +133,7 @@ class Simulation:
         self._sent_at: dict[int, float] = {}  # replica -> when the gateway last sent it a request
         self._affinity: dict[str, Replica] = {}  # prefix key -> the replica of its last turn
         self._refused_idle_at = -1  # the last second counted in ``refused_idle_s``
+        self._round_at = -INF  # the last scrape round of the engines' queues (``_engines_round``)
         # Every client waits the same timeout, so timeouts come due in the order they were
         # set: a FIFO instead of the heap (stale ones, for finished attempts, are skipped).
         self._timeouts: deque[tuple[float, Attempt]] = deque()
@@ -332,6 +333,8 @@ class Simulation:
         ask = a.ask if held is None else dataclasses.replace(
             a.ask, waited_ms=(now - a.arrival) * 1000.0)
         snapshot = self.ledger.snapshot(pool.name)
+        if now - self._round_at >= METRICS_S:
+            self._engines_round(now)
         adm = None
         if self.policy.uses_step:
             view = self._engine_view(now)
@@ -456,6 +459,20 @@ class Simulation:
             self._pending_sends += 1
         else:
             res.jobs_shed += 1
+
+    def _engines_round(self, now: float) -> None:
+        """The gateway's scrape round of the engines' queues (``Gate.learn_round``), at the
+        first decision ``METRICS_S`` after the last: whether one holds requests waiting for
+        compute, for the measured level's climb."""
+        self._round_at = now
+        e, mix = self.scenario.engine, self.learning.mix()
+        need = mix.prompt_tokens + mix.output_tokens
+        samples = (EngineSample(len(r.sched.waiting), len(r.sched.running),
+                                r.sched.kv_used_blocks / e.num_gpu_blocks
+                                if e.num_gpu_blocks else None)
+                   for r in self.ready)
+        self.learning.engines_round(
+            any(waits_for_compute(s, e.max_num_seqs, e.kv_tokens, need) for s in samples), now)
 
     def _engine_view(self, now: float) -> EngineView:
         """The engines' metrics as last scraped: refreshed at a decision once 50 ms old (a
