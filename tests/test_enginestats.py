@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from extproc.decision.admission import Snapshot
+from extproc.decision.level import waits_for_compute
 from extproc.fleet.enginestats import (
     EngineSample,
     EngineStats,
@@ -20,7 +21,6 @@ from extproc.fleet.enginestats import (
     parse,
     speed_since,
     timing_increase,
-    waits_for_compute,
 )
 from extproc_dev.stack import Process, free_port, wait_http
 
@@ -202,8 +202,8 @@ async def test_scrapes_real_replicas_and_flags_stale(backends: list[tuple[str, P
     (addr0, _), (addr1, proc1) = backends
     clock = Clock()
     rounds: list[list[EngineSample]] = []
-    stats = EngineStats({"llama": [addr0, addr1]}, timeout_s=0.5, max_age_s=5.0, clock=clock,
-                        on_round=lambda pool, samples: rounds.append(list(samples)))
+    stats = EngineStats({"llama": [addr0, addr1]}, timeout_s=0.5, max_age_s=5.0, clock=clock)
+    stats.on_round = lambda pool, samples: rounds.append(list(samples))
     idle = await stats.scrape("llama")
     assert len(rounds) == 1 and len(rounds[0]) == 2
     assert (idle.waiting, idle.running, idle.fresh, idle.stale) == (0, 0, 2, False)

@@ -25,7 +25,7 @@ from extproc.decision.rules import Rules
 from extproc.decision.running import Running
 from extproc.decision.share import CRITICAL, SHEDDABLE
 from extproc.decision.step import Admission, Ask, admit, capacity_for, longest_alone, running_of
-from extproc.fleet.enginestats import Correction
+from extproc.fleet.enginestats import Correction, EngineSample
 from extproc.sim import families, policies
 from extproc.sim.run import Simulation
 from extproc.sim.workload import Job
@@ -153,7 +153,7 @@ def test_while_the_engines_queue_for_compute_the_level_climbs_a_request_at_a_tim
         now, seen = 0.0, []
         for _ in range(12):
             if every_round or now == 0.0:
-                learning.engines_round(queued, now)
+                learning.engines_round([EngineSample(1 if queued else 0, 1, 0.0)], POOL.engine, now)
             admitted = fill(learning, now)
             seen.append(len(admitted))
             end(learning, admitted, now, 1.0)
@@ -166,9 +166,9 @@ def test_while_the_engines_queue_for_compute_the_level_climbs_a_request_at_a_tim
     assert queued[-1] > queued[0]  # it still climbs, a request at a time
     assert climb(True, every_round=False) == queued  # the last round counts while fresh
     stale = bimodal()
-    stale.engines_round(True, 0.0)
+    stale.engines_round([EngineSample(1, 1, 0.0)], POOL.engine, 0.0)
     assert stale.queued(SPEED_MAX_AGE_S) and not stale.queued(SPEED_MAX_AGE_S + 1.0)
-    stale.engines_round(False, 1.0)
+    stale.engines_round([EngineSample(0, 1, 0.0)], POOL.engine, 1.0)
     assert not stale.queued(1.0)
 
 

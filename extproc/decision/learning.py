@@ -120,12 +120,16 @@ from typing import TYPE_CHECKING
 
 from extproc.decision.admission import Mix
 from extproc.decision.lengths import Lengths, Prior
-from extproc.decision.level import Level
+from extproc.decision.level import Level, waits_for_compute
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from extproc.config import Pool
     from extproc.decision.rules import Rules
     from extproc.decision.running import Running
+    from extproc.fleet.engine import EngineModel
+    from extproc.fleet.enginestats import EngineSample
 
 TARGET_ATTAINMENT = 0.99
 Q_LOW, Q_HIGH, Q_START = 0.5, 0.995, 0.99
@@ -418,10 +422,16 @@ class PoolLearning:
         if itl_ms > 0 and ttft_ms >= 0:
             self._speed = Speed(ttft_ms, itl_ms, now)
 
-    def engines_round(self, queued: bool, now: float) -> None:
-        """One scrape round of the pool's engines: whether one of them holds requests waiting
-        for compute (``extproc.fleet.enginestats.waits_for_compute``); the measured level
-        climbs by one request at a time until a round finds none (``Level.completed``)."""
+    def engines_round(self, samples: Iterable[EngineSample], engine: EngineModel,
+                      now: float) -> None:
+        """One scrape round of the pool's engines (``samples``, one a replica): whether one of
+        them holds requests waiting for compute, with a slot and KV room for a typical request
+        of the traffic (``waits_for_compute``); the measured level climbs by one request at a
+        time until a round finds none (``Level.completed``)."""
+        mix = self.mix()
+        need = mix.prompt_tokens + mix.output_tokens
+        queued = any(waits_for_compute(s, engine.max_num_seqs, engine.kv_tokens, need)
+                     for s in samples)
         self._queued_at = now if queued else -math.inf
 
     def queued(self, now: float) -> bool:

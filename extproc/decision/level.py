@@ -33,15 +33,14 @@ The invariants (``docs/admission.md``):
   answers end in a second is full within a dozen seconds of a 20 s deadline
   (``tests/test_no_harm.py``). Completions of requests admitted before a back-off do not undo it
   (``PoolLearning``).
-- **Congestion.** While the engines' last scrape round found a replica holding requests
-  waiting with a free slot and KV room for a typical request (waiting for compute, the step's
-  token budget, which neither the slots nor the KV check the level makes can see:
-  ``extproc.fleet.enginestats.waits_for_compute``), a completion at the top supports one
-  request more, not a multiple: the misses of an overshoot come a deadline after it, the
-  queue at once (the level probes the way TCP's congestion avoidance does after a delay
-  signal). A queue for slots or memory is the admission's own checks' business; on a
-  prefix-aware router's busy replica, with the KV cache full, it read as congestion and cost
-  agentic traffic 0.73-0.83x its goodput (docs/admission.md).
+- **Congestion.** While the engines' last scrape round found a replica holding requests waiting with
+  a free slot and KV room for a typical request (waiting for compute, the step's token budget, which
+  neither the slots nor the KV check the level makes can see: ``waits_for_compute``), a completion
+  at the top supports one request more, not a multiple: the misses of an overshoot come a deadline
+  after it, the queue at once (the level probes the way TCP's congestion avoidance does after a
+  delay signal). A queue for slots or memory is the admission's own checks' business; on a
+  prefix-aware router's busy replica, with the KV cache full, it read as congestion and cost agentic
+  traffic 0.73-0.83x its goodput (docs/admission.md).
 - **Back-off.** Misses of requests admitted at the top beyond what the baseline allows, by more
   than a Poisson deviation (``over``), resolved at their deadline (``settled``: a long answer
   may still miss after the short ones beside it ended), cut the level by ``BACKOFF``; the
@@ -67,8 +66,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from extproc.decision.admission import Capacity, Cost, Decision, Outcome, Reason, Snapshot
+
+if TYPE_CHECKING:
+    from extproc.fleet.enginestats import EngineSample
 
 FRONTIER = 0.8  # a request admitted at this share of the level or more tests the level
 PROBE = 1.5  # until the first back-off, a hit at the top the level admitted supports this ...
@@ -159,6 +162,22 @@ class Level:
 
 
 MEASURABLE = (Reason.DEADLINE, Reason.TTFT, Reason.KV_CACHE)  # what the level overrules
+
+
+def waits_for_compute(sample: EngineSample, max_num_seqs: int, kv_tokens: int,
+                      need_tokens: float) -> bool:
+    """Whether a replica's engine (one scrape's ``sample``) holds requests waiting while it has
+    a free sequence slot and KV cache room for ``need_tokens`` (a typical request's prompt and
+    answer): they wait for compute, the step's token budget, not for the slots or memory the
+    admission checks (module docstring, "Congestion"). ``kv_tokens``: the configured cache
+    (0: not bounded), the engine's own report when it made one; no KV usage reported: room."""
+    if sample.waiting <= 0 or sample.running >= max_num_seqs:
+        return False
+    if sample.kv_usage is None or kv_tokens <= 0:
+        return True
+    if sample.kv_blocks is not None:
+        kv_tokens = sample.kv_blocks[0] * sample.kv_blocks[1]
+    return (1.0 - sample.kv_usage) * kv_tokens >= need_tokens
 
 
 def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capacity,

@@ -309,22 +309,6 @@ SpeedSink = Callable[[str, float, float], None]  # (pool, first-token ms, inter-
 RoundSink = Callable[[str, Sequence[EngineSample]], None]  # (pool, this round's samples)
 
 
-def waits_for_compute(sample: EngineSample, max_num_seqs: int, kv_tokens: int,
-                      need_tokens: float) -> bool:
-    """Whether a replica's engine holds requests waiting while it has a free sequence slot
-    and KV cache room for ``need_tokens`` (a typical request's prompt and answer): they wait
-    for compute, the step's token budget, not for the slots or memory the admission checks
-    (``extproc.decision.level``: the measured level's climb). ``kv_tokens``: the replica's
-    cache (0: not bounded); a replica that reports no KV usage has room."""
-    if sample.waiting <= 0 or sample.running >= max_num_seqs:
-        return False
-    if sample.kv_usage is None or kv_tokens <= 0:
-        return True
-    if sample.kv_blocks is not None:
-        kv_tokens = sample.kv_blocks[0] * sample.kv_blocks[1]
-    return (1.0 - sample.kv_usage) * kv_tokens >= need_tokens
-
-
 class EngineStats:
     """Scrapes every replica of a pool; ``targets(pool)`` lists ``host:port`` or base URLs.
 
@@ -337,8 +321,7 @@ class EngineStats:
                  timeout_s: float = 0.5, max_age_s: float = 5.0, min_coverage: float = 0.5,
                  path: str = "/metrics", clock: Callable[[], float] = time.monotonic,
                  on_lengths: LengthSink | None = None,
-                 on_speed: SpeedSink | None = None,
-                 on_round: RoundSink | None = None) -> None:
+                 on_speed: SpeedSink | None = None) -> None:
         self._targets: Targets = targets.__getitem__ if isinstance(targets, Mapping) else targets
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_age_s, self.min_coverage, self.path = max_age_s, min_coverage, path
@@ -346,7 +329,7 @@ class EngineStats:
         self._samples: dict[str, dict[str, tuple[float, EngineSample]]] = {}
         self.on_lengths = on_lengths  # called once per round with the outputs finished since
         self.on_speed = on_speed  # called in a round where both latency histograms moved
-        self.on_round = on_round  # called once per round with the samples it took
+        self.on_round: RoundSink | None = None  # called once per round with its samples
         self._errors: dict[str, str] = {}  # target -> last error, for logs and debugging
         self._sent: dict[str, dict[str, float]] = {}  # pool -> target -> last request sent
         self._session: aiohttp.ClientSession | None = None

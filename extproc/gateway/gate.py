@@ -91,7 +91,6 @@ from extproc.fleet.enginestats import (
     EngineStats,
     PoolStats,
     correction,
-    waits_for_compute,
     with_reported_kv,
 )
 from extproc.gateway.holding import Holding
@@ -191,13 +190,8 @@ class Gate:
         them holds requests waiting for compute, for the measured level's climb
         (``PoolLearning.engines_round``)."""
         config, learning = self._pools.get(pool), self.learning.get(pool)
-        if config is None or learning is None:
-            return
-        mix = learning.mix()
-        need = mix.prompt_tokens + mix.output_tokens
-        engine = config.engine
-        learning.engines_round(any(waits_for_compute(s, engine.max_num_seqs, engine.kv_tokens,
-                                                     need) for s in samples), self._clock())
+        if config is not None and learning is not None:
+            learning.engines_round(samples, config.engine, self._clock())
 
     def forget(self) -> None:
         """Decay what the pools learned by the time since the last call (``decay_factor``:

@@ -54,7 +54,7 @@ from extproc.decision.step import (
     priority_of,
     running_of,
 )
-from extproc.fleet.enginestats import Correction, EngineSample, waits_for_compute
+from extproc.fleet.enginestats import Correction, EngineSample
 from extproc.gateway.retry import retry_delay_ms
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
@@ -465,14 +465,11 @@ class Simulation:
         first decision ``METRICS_S`` after the last: whether one holds requests waiting for
         compute, for the measured level's climb."""
         self._round_at = now
-        e, mix = self.scenario.engine, self.learning.mix()
-        need = mix.prompt_tokens + mix.output_tokens
-        samples = (EngineSample(len(r.sched.waiting), len(r.sched.running),
-                                r.sched.kv_used_blocks / e.num_gpu_blocks
-                                if e.num_gpu_blocks else None)
-                   for r in self.ready)
+        e = self.scenario.engine
         self.learning.engines_round(
-            any(waits_for_compute(s, e.max_num_seqs, e.kv_tokens, need) for s in samples), now)
+            (EngineSample(len(r.sched.waiting), len(r.sched.running),
+                          r.sched.kv_used_blocks / e.num_gpu_blocks if e.num_gpu_blocks else None)
+             for r in self.ready), e, now)
 
     def _engine_view(self, now: float) -> EngineView:
         """The engines' metrics as last scraped: refreshed at a decision once 50 ms old (a
