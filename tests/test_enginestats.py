@@ -128,6 +128,8 @@ def test_a_replica_waits_for_compute_only_with_a_free_slot_and_kv_room() -> None
     # the cache the engine reports, not the configured one: 1,000 blocks of 16 = 16,000 tokens
     assert not waits_for_compute(EngineSample(2, 10, 0.9, kv_blocks=(1000, 16)), 256,
                                  1_000_000, need)
+    # ... also where the configuration leaves the cache unbounded (0)
+    assert not waits_for_compute(EngineSample(2, 10, 0.9, kv_blocks=(1000, 16)), 256, 0, need)
 
 
 def test_a_page_without_engine_metrics_is_a_failure_not_zeros() -> None:
