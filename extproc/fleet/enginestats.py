@@ -28,6 +28,10 @@ means the engine restarted: its counts since then are the increase. A target see
 first time only sets the baseline: its counts may be days of history, which would drown the
 ~15 minutes the sink is meant to remember.
 
+Queues. Each round's samples (the targets that answered) go to the pool's ``on_round`` sink:
+the gate reads there whether a replica waits for compute, for the measured level's climb
+(``extproc.decision.level.waits_for_compute``).
+
 Each replica is scraped concurrently with a short timeout. A failed scrape keeps that
 replica's previous sample until it is older than ``max_age_s``; the pool's aggregate sums the
 fresh samples and is **stale** when fewer than ``min_coverage`` of the targets have one. Stale

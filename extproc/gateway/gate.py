@@ -189,9 +189,7 @@ class Gate:
         """One scrape round of the pool's engines (``EngineStats.on_round``): whether one of
         them holds requests waiting for compute, for the measured level's climb
         (``PoolLearning.engines_round``)."""
-        config, learning = self._pools.get(pool), self.learning.get(pool)
-        if config is not None and learning is not None:
-            learning.engines_round(samples, config.engine, self._clock())
+        self.learning[pool].engines_round(samples, self._pools[pool].engine, self._clock())
 
     def forget(self) -> None:
         """Decay what the pools learned by the time since the last call (``decay_factor``:
