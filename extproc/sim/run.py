@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from extproc.sim.scenarios import Scenario
     from extproc.sim.workload import Job
 
-_REPLICA, _SEND, _READY, _SAMPLE, _CONTROL, _EXPIRE, _PASS = range(7)
+_REPLICA, _SEND, _READY, _SAMPLE, _CONTROL, _EXPIRE, _PASS, _ROUND = range(8)
 AFFINITY_SLACK = 0.25  # a prefix's replica is kept while at most this share of a batch busier
 SCRAPE_S = 0.05  # how often a saturation detector's view of the engines is refreshed
 METRICS_S = 2.0  # the gateway's own scrape of the engines' metrics (``EngineStats.start``)
@@ -133,7 +133,6 @@ class Simulation:
         self._sent_at: dict[int, float] = {}  # replica -> when the gateway last sent it a request
         self._affinity: dict[str, Replica] = {}  # prefix key -> the replica of its last turn
         self._refused_idle_at = -1  # the last second counted in ``refused_idle_s``
-        self._round_at = -INF  # the last scrape round of the engines' queues (``_engines_round``)
         # Every client waits the same timeout, so timeouts come due in the order they were
         # set: a FIFO instead of the heap (stale ones, for finished attempts, are skipped).
         self._timeouts: deque[tuple[float, Attempt]] = deque()
@@ -192,6 +191,8 @@ class Simulation:
         self._push(sc.sample_s, _SAMPLE, None)
         if sc.autoscaler is not None:
             self._push(sc.control_period_s, _CONTROL, None)
+        if self.policy.uses_step:  # (the gateway's scrape rounds: only the product learns)
+            self._push(METRICS_S, _ROUND, None)
         finished: list[Attempt] = []
         timeouts = self._timeouts
         ji = 0
@@ -244,6 +245,10 @@ class Simulation:
                     self._control()
                     if ji < n or self._busy():
                         self._push(t + sc.control_period_s, _CONTROL, None)
+                elif kind == _ROUND:
+                    self._engines_round(t)
+                    if ji < n or self._busy():
+                        self._push(t + METRICS_S, _ROUND, None)
             else:
                 job = jobs[ji]
                 ji += 1
@@ -333,8 +338,6 @@ class Simulation:
         ask = a.ask if held is None else dataclasses.replace(
             a.ask, waited_ms=(now - a.arrival) * 1000.0)
         snapshot = self.ledger.snapshot(pool.name)
-        if now - self._round_at >= METRICS_S:
-            self._engines_round(now)
         adm = None
         if self.policy.uses_step:
             view = self._engine_view(now)
@@ -461,10 +464,9 @@ class Simulation:
             res.jobs_shed += 1
 
     def _engines_round(self, now: float) -> None:
-        """The gateway's scrape round of the engines' queues (``Gate.learn_round``), at the
-        first decision ``METRICS_S`` after the last: whether one holds requests waiting for
-        compute, for the measured level's climb."""
-        self._round_at = now
+        """The gateway's scrape round of the engines' queues (``Gate.learn_round``), every
+        ``METRICS_S``: whether one holds requests waiting for compute, for the measured
+        level's climb."""
         e = self.scenario.engine
         self.learning.engines_round(
             (EngineSample(len(r.sched.waiting), len(r.sched.running),
