@@ -18,7 +18,8 @@ from extproc.decision.admission import (
     decide,
     release_quantile,
 )
-from extproc.fleet.engine import EngineModel
+from extproc.decision.step import prefill_rate
+from extproc.fleet.engine import LLAMA_8B_1XH100, EngineModel, Scheduler, Sequence
 
 ENGINE = EngineModel(max_num_seqs=4, max_num_batched_tokens=512, block_size=16,
                      num_gpu_blocks=0, step_base_ms=20.0, ms_per_token=0.1, ms_per_seq=1.0,
@@ -175,6 +176,39 @@ def test_a_burst_of_prompts_not_prefilled_yet_delays_the_first_token() -> None:
     # 5,000 tokens over 2 replicas, 512 - 1.5 tokens a step of 20 + 512 x 0.1 + 1.5 x ... ms
     assert burst.ttft_ms - quiet.ttft_ms == pytest.approx(CAP.backlog_ms(5_000.0, 1.5))
     assert CAP.backlog_ms(5_000.0, 1.5) > 300
+
+
+@pytest.mark.parametrize(("decodes", "prompt", "crowd"), [(64, 1500, 20), (8, 20_000, 4)])
+def test_a_backlog_drains_at_the_engines_pace_beside_a_busy_batch(decodes: int, prompt: int,
+                                                                   crowd: int) -> None:
+    """A crowd's prompts prefilled beside ``decodes`` running requests that read ``prompt``
+    tokens each: the model's ``backlog_ms`` against the simulated engine's own steps (each of
+    which carries the decodes, the context they read and the chunks' attention). Counting
+    only the decodes' share of the token budget read the 20,000-token case at half the
+    engine's time."""
+    engine = Scheduler(LLAMA_8B_1XH100)
+    for _ in range(decodes):
+        engine.add(Sequence(prompt, 10**6))
+    while engine.waiting or any(s.computed < s.prompt_tokens for s in engine.running):
+        step = engine.schedule()
+        assert step is not None
+        engine.complete(step)
+    arrivals = [Sequence(prompt, 10**6) for _ in range(crowd)]
+    for seq in arrivals:
+        engine.add(seq)
+    elapsed = 0.0
+    while any(s.computed < s.prompt_tokens for s in arrivals):
+        step = engine.schedule()
+        assert step is not None
+        elapsed += step.duration_ms
+        engine.complete(step)
+    # the mix's context (prompt + output / 2) is what the running requests read
+    cap = Capacity(replicas=1, engine=LLAMA_8B_1XH100,
+                   mix=Mix(prompt_tokens=float(prompt), output_tokens=1.0))
+    assert cap.backlog_ms(crowd * prompt, decodes) == pytest.approx(elapsed, rel=0.05)
+    # ... and the gateway's backlog (``Backlog``) drains at that pace too
+    drained_ms = 1000.0 * crowd * prompt / prefill_rate(cap, decodes)
+    assert drained_ms == pytest.approx(elapsed, rel=0.05)
 
 
 def test_prefill_joining_a_busy_batch_stretches_its_steps() -> None:

@@ -37,6 +37,10 @@ and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context
                                                           not prefilled yet, ``U`` tokens,
                                                           go first: a step prefills the
                                                           token budget less its decodes
+    chunk_step = step time of the token budget          the running batch's ``b`` decodes
+                 with b decodes at C̄ and the            at the mix's context, and the
+                 chunk's attention to P̄ / 2            chunk's attention to the half of a
+                                                          mean prompt before it
     ttft       = wait + prefill(P) + chunks(P) x itl(b, C̄) its prompt, in chunks beside the
                                                           decodes
     completion = ttft + ceil(s / S) x L x step             its sequences side by side, in
@@ -288,10 +292,15 @@ class Capacity:
         return tokens / self.replicas / self.batch_tokens_per_ms(batch)
 
     def batch_tokens_per_ms(self, batch: float = 0.0) -> float:
-        """Prompt tokens one replica prefills a millisecond when every step is full."""
-        e = self.engine
-        per_step = max(1.0, e.max_num_batched_tokens - batch)
-        return per_step / e.step_ms(e.max_num_batched_tokens, round(batch), 0, 0.0)
+        """Prompt tokens one replica prefills a millisecond when every step is full: each step
+        holds the token budget less ``batch`` decodes, which read the mix's context, and its
+        chunk attends to half a mean prompt before it (``chunk_step`` in the docstring)."""
+        e, mix = self.engine, self.mix
+        decodes = round(batch)
+        per_step = max(1.0, e.max_num_batched_tokens - decodes)
+        return per_step / e.step_ms(e.max_num_batched_tokens, decodes,
+                                    round(decodes * mix.context),
+                                    per_step * mix.prompt_tokens / 2.0)
 
     def prefill_ms(self, prompt: float, batch: float) -> float:
         """Time to a first token for ``prompt`` tokens prefilled beside ``batch`` decodes."""

@@ -96,14 +96,15 @@ be long. A pool serving several classes keeps each class's own lengths for both.
 **The mix.** The mean prompt of the requests that ask (decayed) and the mean output: the
 context a decode reads and the prefill that joins a busy batch (``extproc.decision.admission.Mix``).
 
-**The prefill backlog** (``Backlog``): the prompt tokens this gateway admitted that the engines
-have not prefilled yet, a fluid estimate (each admission adds its prompt; the level drains at
-the fleet's prefill rate, the token budget a step, ``Capacity.backlog_ms``, and a request whose
-stream has ended takes its own prompt out at once: an engine faster than its model must not
-leave a phantom backlog), so a request admitted in a burst is told it waits for the prompts
-ahead of it. Each gateway replica sees only its own admissions: behind several gateways it
-scales its backlog by the share of the ledger's requests in flight that it holds
-(``extproc.decision.step.admit``), so two gateways sharing a ledger see the burst one gateway would.
+**The prefill backlog** (``Backlog``): the prompt tokens this gateway admitted that the engines have
+not prefilled yet, a fluid estimate (each admission adds its prompt; the level drains at the fleet's
+prefill rate, the token budget a step beside the running batch's decodes,
+``Capacity.batch_tokens_per_ms``, and a request whose stream has ended takes its own prompt out at
+once: an engine faster than its model must not leave a phantom backlog), so a request admitted in a
+burst is told it waits for the prompts ahead of it. Each gateway replica sees only its own
+admissions: behind several gateways it scales its backlog by the share of the ledger's requests in
+flight that it holds (``extproc.decision.step.admit``), so two gateways sharing a ledger see the
+burst one gateway would.
 
 Length: past the house's ~400 lines because a sixth is this docstring; the code is small state
 objects (``Promise``, ``Spread``, ``Backlog``, ``Demand``) and the ``PoolLearning`` that composes

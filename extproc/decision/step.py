@@ -237,11 +237,13 @@ def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
                     wait_quantile=pool.wait_quantile, headroom=headroom)
 
 
-def prefill_rate(capacity: Capacity) -> float:
-    """Prompt tokens the fleet prefills a second, steps full of chunks (``Backlog``)."""
+def prefill_rate(capacity: Capacity, inflight: int) -> float:
+    """Prompt tokens the fleet prefills a second, steps full of chunks beside the decodes of
+    ``inflight`` requests (at most a full batch a replica) (``Backlog``)."""
     if capacity.replicas <= 0:
         return 0.0
-    return 1000.0 * capacity.replicas * capacity.batch_tokens_per_ms()
+    batch = min(float(capacity.batch), inflight / capacity.replicas)
+    return 1000.0 * capacity.replicas * capacity.batch_tokens_per_ms(batch)
 
 
 def charge_of(ask: Ask, pool: Pool, learning: PoolLearning, replicas: int) -> float:
@@ -277,7 +279,7 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
     # fleet's rate (this one's share of it drains at the same share of the rate).
     mine = sum(learning.inflight.values())
     share = min(1.0, mine / snapshot.inflight) if mine and snapshot.inflight else 1.0
-    rate = prefill_rate(capacity) * share  # this gateway's backlog's drain
+    rate = prefill_rate(capacity, snapshot.inflight) * share  # this gateway's backlog's drain
     snapshot = dataclasses.replace(correction.apply(snapshot),
                                    prefill_tokens=learning.backlog.level(now, rate) / share)
     decision = decide(cost, snapshot, capacity, policy, now)
