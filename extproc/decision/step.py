@@ -319,8 +319,9 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
     if outcome in (Outcome.ADMIT, Outcome.PASS):
         changed = contention.at_cap(caps, decision, snapshot)
         if (changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas
-                and decision.reason is not Reason.IDLE):
-            # (while a replica has nothing to do, no room is kept: ``extproc.decision.level``)
+                and decision.reason is not Reason.IDLE and not correction.idle):
+            # (while a replica has nothing to do, no room is kept: ``extproc.decision.level``;
+            # the replica this request goes to, as its engine reported, is one)
             changed, limit = contention.room_for_others(
                 ask.tenant, ask.priority, cost, decision, policy, scene)
         if changed is not None:
