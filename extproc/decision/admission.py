@@ -37,10 +37,9 @@ and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context
                                                           not prefilled yet, ``U`` tokens,
                                                           go first: a step prefills the
                                                           token budget less its decodes
-    chunk_step = step time of the token budget          the running batch's ``b`` decodes
-                 with b decodes at C̄ and the            at the mix's context, and the
-                 chunk's attention to P̄ / 2            chunk's attention to the half of a
-                                                          mean prompt before it
+    chunk_step = a step of the token budget:              the running batch's decodes read
+                 b decodes at context C̄ and a            their context, and each chunk
+                 chunk attending to P̄ / 2                attends to the prompt before it
     ttft       = wait + prefill(P) + chunks(P) x itl(b, C̄) its prompt, in chunks beside the
                                                           decodes
     completion = ttft + ceil(s / S) x L x step             its sequences side by side, in
@@ -291,7 +290,7 @@ class Capacity:
             return 0.0
         return tokens / self.replicas / self.batch_tokens_per_ms(batch)
 
-    def batch_tokens_per_ms(self, batch: float = 0.0) -> float:
+    def batch_tokens_per_ms(self, batch: float) -> float:
         """Prompt tokens one replica prefills a millisecond when every step is full: each step
         holds the token budget less ``batch`` decodes, which read the mix's context, and its
         chunk attends to half a mean prompt before it (``chunk_step`` in the docstring)."""
