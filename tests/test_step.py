@@ -157,6 +157,28 @@ def test_an_infeasible_request_passes_only_into_a_free_slot() -> None:
     assert (own.outcome, own.reason) == (Outcome.PASS, Reason.INFEASIBLE) and own.runs
 
 
+def test_work_conservation_what_alone_meets_its_objective_runs_on_its_own_idle_replica() -> None:
+    """A request too long for its budget alone (the safety factor's share of its first-token
+    objective) but within the objective itself, whose own replica reports nothing to do, runs
+    there even where the interactive classes' check would refuse it on the pool's sum (that
+    refusal let agentic/70b-vllm's replicas sit idle 2.9-4.5 % of the run on two draws of
+    three); one that misses the objective itself alone is still checked."""
+    learning = learning_for(POOL)
+    for t in range(20):
+        learning.arrived("latency", False, float(t))  # the interactive class is served
+    busy = Snapshot(7, 7_000.0, 4_900)
+    within = Ask("latency", 5000, 200)  # alone: a first token at ~446 ms (budget 400, obj. 500)
+    past = Ask("latency", 6000, 200)  # ... ~538 ms: past the objective itself
+
+    def decide(ask: Ask, idle: bool) -> Any:
+        return admit(ask, POOL, RULES, learning, busy, 2, 20.0, Correction(idle=idle))
+
+    assert decide(within, idle=False).outcome is Outcome.REJECT  # the pool's sum: crowded
+    own = decide(within, idle=True)
+    assert (own.outcome, own.reason) == (Outcome.PASS, Reason.INFEASIBLE) and own.runs
+    assert decide(past, idle=True).outcome is Outcome.REJECT
+
+
 def test_infeasible_reject_refuses_with_a_400() -> None:
     adm = step(Ask("latency", 6000, 2000), config=settings(infeasible="reject"))
     assert adm.outcome is Outcome.INVALID and adm.error is not None

@@ -309,7 +309,12 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
                                            retry_after_ms=max(slot_ms, 1.0))
             outcome = Outcome.REJECT
     scene = contention.Scene(rules, learning, snapshot, capacity, share, now)
-    if (outcome is Outcome.ADMIT and policy.batch) or outcome is Outcome.PASS:
+    # A request that alone meets its objectives (only not their safety share), bound for a
+    # replica its engine reports idle, is feasible work for idle capacity: it runs, whatever
+    # it would leave the interactive classes (work conservation, docs/admission.md).
+    conserved = (outcome is Outcome.PASS and correction.idle
+                 and not misses_alone(decision, policy))
+    if ((outcome is Outcome.ADMIT and policy.batch) or outcome is Outcome.PASS) and not conserved:
         crowded = _crowds_out(ask, cost, decision, pool, scene)
         if crowded is not None:
             decision, outcome = crowded, crowded.outcome
