@@ -187,21 +187,21 @@ def test_a_backlog_drains_at_the_engines_pace_beside_a_busy_batch(decodes: int, 
     only the decodes' share of the token budget read the 20,000-token case at half the
     engine's time."""
     engine = Scheduler(LLAMA_8B_1XH100)
-    for _ in range(decodes):
-        engine.add(Sequence(prompt, 10**6))
-    while engine.waiting or any(s.computed < s.prompt_tokens for s in engine.running):
-        step = engine.schedule()
-        assert step is not None
-        engine.complete(step)
-    arrivals = [Sequence(prompt, 10**6) for _ in range(crowd)]
-    for seq in arrivals:
-        engine.add(seq)
-    elapsed = 0.0
-    while any(s.computed < s.prompt_tokens for s in arrivals):
-        step = engine.schedule()
-        assert step is not None
-        elapsed += step.duration_ms
-        engine.complete(step)
+
+    def prefill(seqs: list[Sequence]) -> float:
+        """Step the engine until ``seqs`` are prefilled; the steps' time."""
+        for seq in seqs:
+            engine.add(seq)
+        elapsed = 0.0
+        while any(s.computed < s.prompt_tokens for s in seqs):
+            step = engine.schedule()
+            assert step is not None
+            elapsed += step.duration_ms
+            engine.complete(step)
+        return elapsed
+
+    prefill([Sequence(prompt, 10**6) for _ in range(decodes)])  # the running batch
+    elapsed = prefill([Sequence(prompt, 10**6) for _ in range(crowd)])
     # the mix's context (prompt + output / 2) is what the running requests read
     cap = Capacity(replicas=1, engine=LLAMA_8B_1XH100,
                    mix=Mix(prompt_tokens=float(prompt), output_tokens=1.0))

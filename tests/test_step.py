@@ -170,13 +170,13 @@ def test_work_conservation_what_alone_meets_its_objective_runs_on_its_own_idle_r
     within = Ask("latency", 5000, 200)  # alone: a first token at ~446 ms (budget 400, obj. 500)
     past = Ask("latency", 6000, 200)  # ... ~538 ms: past the objective itself
 
-    def decide(ask: Ask, idle: bool) -> Any:
+    def sent(ask: Ask, idle: bool) -> Any:
         return admit(ask, POOL, RULES, learning, busy, 2, 20.0, Correction(idle=idle))
 
-    assert decide(within, idle=False).outcome is Outcome.REJECT  # the pool's sum: crowded
-    own = decide(within, idle=True)
+    assert sent(within, idle=False).outcome is Outcome.REJECT  # the pool's sum: crowded
+    own = sent(within, idle=True)
     assert (own.outcome, own.reason) == (Outcome.PASS, Reason.INFEASIBLE) and own.runs
-    assert decide(past, idle=True).outcome is Outcome.REJECT
+    assert sent(past, idle=True).outcome is Outcome.REJECT
 
 
 def test_infeasible_reject_refuses_with_a_400() -> None:

@@ -324,9 +324,10 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
     if outcome in (Outcome.ADMIT, Outcome.PASS):
         changed = contention.at_cap(caps, decision, snapshot)
         if (changed is None and outcome is Outcome.ADMIT and snapshot.inflight >= replicas
-                and decision.reason is not Reason.IDLE and not correction.idle):
+                and not correction.idle):
             # (while a replica has nothing to do, no room is kept: ``extproc.decision.level``;
-            # the replica this request goes to, as its engine reported, is one)
+            # the replica this request goes to, as its engine reported, is one, whether the
+            # model admitted it there or the level did, ``Reason.IDLE``)
             changed, limit = contention.room_for_others(
                 ask.tenant, ask.priority, cost, decision, policy, scene)
         if changed is not None:
