@@ -3,6 +3,7 @@ them (extproc.decision.step), and what they do to simulated traffic (extproc.sim
 
 import dataclasses
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -270,12 +271,17 @@ def test_critical_goodput_under_3x_overload_is_its_offered_load(fleet: str,
 def test_the_limit_s_spread_is_measured_not_assumed() -> None:
     from extproc.decision.learning import Spread
 
-    steady, swinging = Spread(), Spread()
+    rng = random.Random(7)
+    steady, swinging, learning = Spread(), Spread(), Spread()
     for i in range(2000):
         steady.add(100.0)
-        swinging.add(100.0 + (20.0 if i % 2 else -20.0))
+        swinging.add(rng.gauss(100.0, 20.0))
+        # a fresh pool's limit climbing from 20 to 90 while it learns, arrivals moving it by 3
+        learning.add(20.0 + 70.0 * min(1.0, i / 300) + rng.gauss(0.0, 3.0))
+        if i == 290:
+            assert learning.std == pytest.approx(3.0, rel=0.25)  # the climb is no swing
     assert steady.add(100.0) == 0.0
-    assert swinging.add(100.0) == pytest.approx(20.0, rel=0.1)
+    assert swinging.add(100.0) == pytest.approx(20.0, rel=0.15)
 
 
 @pytest.mark.parametrize("n", [0, 5, 40, 120])
