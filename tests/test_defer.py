@@ -361,21 +361,22 @@ async def test_held_requests_are_demand_in_the_autoscalers_window() -> None:
 # ---- the simulator: the same queue and step ----
 
 
-def test_the_simulator_holds_by_priority_where_reject_only_refuses_critical_work() -> None:
+def test_the_simulator_holds_by_priority_and_serves_critical_work_first() -> None:
     """Priorities at 3x on the 16-slot fleet (a quarter of the run): holding, critical
-    requests go first at each release instead of retrying after 429s, the pool does more in
-    time, and nothing is held while a replica has nothing to do. (Measured: 7.22 good/s
-    against 6.08, 1.19x; 1.38x before reject-only stopped keeping room for a priority with no
-    arrivals in evidence.)"""
+    requests go first at each release instead of retrying after 429s, and nothing is held
+    while a replica has nothing to do. Holding was the better policy here while reject-only
+    kept room for critical arrivals sized on a learning pool's climb (6.85 good/s against
+    5.90); with the limit's swing measured from one decision to the next it is not (6.85
+    against 7.66, 0.89x: docs/defer.md), and both serve critical work alike."""
     sc = families.draw("priority", 0, 3.0, "70b-16", 0.25).scenario
     holding = simulate(sc, policies.make("defer"))
     refusing = simulate(sc, policies.make("default"))
     assert not sc.config.defer.enabled
-    assert holding.goodput > 1.1 * refusing.goodput
-    critical = holding.groups["p:1"]
-    assert critical.good >= 0.85 * critical.attempts
+    assert holding.goodput > 0.85 * refusing.goodput
+    for result in (holding, refusing):
+        critical = result.groups["p:1"]
+        assert critical.good >= 0.85 * critical.attempts
     assert holding.held_idle_s == 0 and refusing.held_idle_s == 0
-
 
 
 @pytest.mark.redis
