@@ -7,13 +7,13 @@ the step, ``extproc.decision.step``, calls these after ``decide`` admitted).
 - ``room_for_others``: an admitted request of a lower priority, or of a tenant over its share
   of a contended pool, must still fit after the headroom kept for the traffic it must not crowd
   out (refused ``PRIORITY`` or ``FAIR_SHARE``); otherwise its ledger checks are tightened by
-  that room. Shares are of what the model admits (of the measured level, which a burst's
-  refusals leave room to probe, a steady tenant kept 0.50x its goodput alone beside a
-  neighbour's burst on 70b-16 at 1.5x, 0.15x at 3x); a tenant over its share may use the
-  measured level (``extproc.decision.level``) past the model like any other once the room for
-  the tenants under theirs is kept (measured: the steady tenant keeps all of it at 3x where
-  it kept 0.85x when only tenants within their share could, and a 1024-sequence pool
-  serves 1.14-1.23x more in time beside a burst).
+  that room. Shares are of what the model admits: shared out of the measured level instead,
+  a steady tenant kept 0.50x its goodput alone beside a neighbour's burst on 70b-16 at 1.5x
+  and 0.15x at 3x (the burst's refusals leave room the level probes). A tenant over its share
+  may use the measured level (``extproc.decision.level``) past the model like any other once
+  the room for the tenants under theirs is kept (measured: the steady tenant keeps all of its
+  goodput at 3x where it kept 0.85x when only tenants within their share could, and a
+  1024-sequence pool serves 1.14-1.23x more in time beside a burst).
 - ``admission_limit``: the most requests the pool holds while one like this is still admitted,
   the level shares are counted against and the headroom's departures are measured at.
 

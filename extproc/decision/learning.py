@@ -223,8 +223,8 @@ class Spread:
     meets varies from one arrival to the next (``extproc.decision.step``). The deviation is
     the successive differences' (half their mean square), not the samples' around their
     mean: a learning pool's limit climbs, and a mean that lags the climb would count the
-    climb as swing (measured: 14-19 places of a 16-slot pool's limit of 28-30 while it learned,
-    where the arrivals moved it by 3)."""
+    climb as swing (measured: 14-19 places of a limit of 28-30 on four 16-slot replicas while
+    the pool learned, where it moved by 1-4 from one decision to the next)."""
 
     weight: float = SPREAD_WEIGHT
     mean: float | None = None
