@@ -117,17 +117,16 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     seen_n = math.floor(learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9))
     model = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
     limit = max(model, seen_n)  # the model's, or what was measured (``extproc.decision.level``)
-    swing = learning.limit.std
-    over = False
-    if tenant is not None and several:
-        # Shares of what the model admits: the measured level, which may be higher, is
-        # probed by whoever asks, and a burst asks most (it would be nobody's over-share).
-        under = _under_their_share(tenant, decision, scene, model * mean_ms, mean_ms)
-        over = under is not None
-        protected += under or []
+    # Shares of what the model admits: the measured level, which may be higher, is probed by
+    # whoever asks, and a burst asks most (it would be nobody's over-share). ``under``: the
+    # tenants under their share this one must leave room for (None: it is within its own).
+    under = (_under_their_share(tenant, decision, scene, model * mean_ms, mean_ms)
+             if tenant is not None and several else None)
+    protected += under or []
     if not protected:
         return None, limit
-    kept = _kept(protected, decision, learning, snapshot, limit, swing, scene.share, now)
+    kept = _kept(protected, decision, learning, snapshot, limit, learning.limit.std, scene.share,
+                 now)
     if kept <= 0:
         return None, limit
     mean_kv = snapshot.kv_tokens / n if n else cost.kv
@@ -139,7 +138,7 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     if not seen.admitted:
         return dataclasses.replace(
             seen, outcome=Outcome.REJECT,
-            reason=Reason.FAIR_SHARE if over else Reason.PRIORITY,
+            reason=Reason.FAIR_SHARE if under is not None else Reason.PRIORITY,
             retry_after_ms=max(1.0, seen.retry_after_ms or 0.0)), limit
     assert seen.ceiling_ms is not None and seen.max_inflight is not None
     assert decision.ceiling_ms is not None and decision.max_inflight is not None
