@@ -243,6 +243,26 @@ def test_work_conservation_free_slots_at_a_measured_level_are_used() -> None:
     assert full.outcome is Outcome.REJECT
 
 
+def test_the_level_does_not_overrule_a_first_token_it_cannot_see() -> None:
+    """The level is measured on each admitted stream's end against its deadline; the gateway
+    sees no first token. A request the model refuses because a crowd's prompts are still to be
+    prefilled ahead of it is not let in by the level, however high it stands, unless a replica
+    has nothing to do (work conservation)."""
+    learning = strictest()
+    now = 0.0
+    for _ in range(10):  # the pool is seen to serve its requests in time
+        _, now = generation(learning, now)
+    assert decide_at(learning, 5 * R, now).reason is Reason.MEASURED
+    learning.backlog.add(2e6, now, 0.0)  # prompt tokens admitted, not prefilled yet
+    refused = decide_at(learning, 5 * R, now)
+    budget = refused.policy.ttft_budget_ms
+    assert refused.decision is not None and budget is not None
+    assert refused.decision.ttft_ms > budget
+    assert refused.outcome is Outcome.REJECT
+    idle = decide_at(learning, R - 1, now)
+    assert (idle.outcome, idle.reason) == (Outcome.ADMIT, Reason.MEASURED)
+
+
 def test_work_conservation_a_request_whose_own_replica_is_idle_is_admitted() -> None:
     """Behind a prefix-aware router one replica can empty while the pool's sum reads full
     (every slot taken): a request whose replica, named by the endpoint picker, reports nothing

@@ -134,7 +134,8 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
                                 outstanding_ms=snapshot.outstanding_ms + kept * mean_ms,
                                 kv_tokens=round(snapshot.kv_tokens + kept * mean_kv))
     seen = decide(cost, ahead, capacity, policy, now)
-    seen = measured(seen, cost, ahead, capacity, learning.level) or seen
+    seen = measured(seen, cost, ahead, capacity, learning.level,
+                    ttft_budget_ms=policy.ttft_budget_ms) or seen
     if not seen.admitted:
         return dataclasses.replace(
             seen, outcome=Outcome.REJECT,

@@ -285,7 +285,8 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
     decision = decide(cost, snapshot, capacity, policy, now)
     if not policy.batch and ask.known_output_tokens is None:  # (the oracle needs no measuring)
         decision = measured(decision, cost, snapshot, capacity, learning.level,
-                            _left(whole, policy), correction.idle) or decision
+                            _left(whole, policy), correction.idle,
+                            policy.ttft_budget_ms) or decision
     outcome, reason = decision.outcome, decision.reason
     error: RequestError | None = None
     if reason is Reason.INFEASIBLE and ask.waited_ms > 0:
