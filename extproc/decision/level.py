@@ -193,7 +193,8 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
              ttft_budget_ms: float | None = None) -> Decision | None:
     """The model refused a feasible request (``MEASURABLE``); it is admitted (``MEASURED``)
     if a replica has a free slot for it (its sequence limit and its KV cache) and either a
-    replica has nothing to do or the pool's work, with it, is within the measured level. The
+    replica has nothing to do or the pool's work, with it, is within the measured level (and
+    its first token is predicted within ``ttft_budget_ms``). The
     ledger's atomic checks: that work and those slots. None: it stays as decided.
 
     ``idle``: the replica the request goes to has nothing to do, as its own engine reported
@@ -223,9 +224,9 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     free = replicas * capacity.batch_with(snapshot, cost)
     work = snapshot.outstanding_ms + decision.charge_ms
     room = level.level_ms * replicas * min(1.0, max(0.0, left))
-    first_token = ttft_budget_ms is None or decision.ttft_ms <= ttft_budget_ms
-    if n + cost.sequences > free or not (n < replicas
-                                         or (replicas > 0 and work <= room and first_token)):
+    within_level = (replicas > 0 and work <= room
+                    and (ttft_budget_ms is None or decision.ttft_ms <= ttft_budget_ms))
+    if n + cost.sequences > free or not (n < replicas or within_level):
         return None
     return dataclasses.replace(
         decision, outcome=Outcome.ADMIT, reason=Reason.MEASURED, retry_after_ms=None,
