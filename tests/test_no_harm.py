@@ -18,13 +18,22 @@ import random
 import pytest
 
 from extproc import config as config_mod
+from extproc.decision import contention
 from extproc.decision.admission import Outcome, Reason, Snapshot
 from extproc.decision.learning import SPEED_MAX_AGE_S, PoolLearning, learning_for
 from extproc.decision.level import BACKOFF, Level
 from extproc.decision.rules import Rules
 from extproc.decision.running import Running
 from extproc.decision.share import CRITICAL, SHEDDABLE
-from extproc.decision.step import Admission, Ask, admit, capacity_for, longest_alone, running_of
+from extproc.decision.step import (
+    Admission,
+    Ask,
+    admit,
+    capacity_for,
+    cost_of,
+    longest_alone,
+    running_of,
+)
 from extproc.fleet.enginestats import Correction, EngineSample
 from extproc.sim import families, policies
 from extproc.sim.run import Simulation
@@ -261,6 +270,41 @@ def test_the_level_does_not_overrule_a_first_token_it_cannot_see() -> None:
     assert refused.outcome is Outcome.REJECT
     idle = decide_at(learning, R - 1, now)
     assert (idle.outcome, idle.reason) == (Outcome.ADMIT, Reason.MEASURED)
+
+
+def test_the_room_kept_for_a_higher_priority_applies_the_same_first_token_rule() -> None:
+    """The second place the level overrules the model: a lower priority must still be
+    admitted with room kept for the critical requests in evidence
+    (``contention.room_for_others``). There too, the level does not admit a request predicted
+    to start past its first-token budget. The same request with no first-token objective is
+    admitted, with the room kept."""
+    learning = strictest()
+    now = 0.0
+    for _ in range(10):
+        _, now = generation(learning, now)
+    sheddable = ask(SHEDDABLE)
+    snapshot = at(5 * R, learning)
+    alone = admit(sheddable, POOL, RULES, learning, snapshot, R, now).decision
+    assert alone is not None and alone.max_inflight is not None  # nothing kept: no critical
+    for i in range(100):  # critical requests in evidence: 5 a second
+        learning.arrived("latency", False, now - 20.0 + i * 0.2, 500, ask(CRITICAL).groups)
+    admitted = admit(sheddable, POOL, RULES, learning, snapshot, R, now)
+    assert (admitted.outcome, admitted.reason) == (Outcome.ADMIT, Reason.MEASURED)
+    assert admitted.decision is not None
+    cost, capacity = cost_of(sheddable, POOL, learning), capacity_for(POOL, R, learning)
+    behind = dataclasses.replace(snapshot, prefill_tokens=200_000)  # prompts still to prefill
+    scene = contention.Scene(RULES, learning, behind, capacity, 1.0, now)
+    refused, _ = contention.room_for_others(None, SHEDDABLE, cost, admitted.decision,
+                                            admitted.policy, scene)
+    assert refused is not None
+    assert (refused.outcome, refused.reason) == (Outcome.REJECT, Reason.PRIORITY)
+    budget = admitted.policy.ttft_budget_ms
+    assert budget is not None and refused.ttft_ms > budget
+    no_objective = dataclasses.replace(admitted.policy, ttft_ms=None)
+    kept, _ = contention.room_for_others(None, SHEDDABLE, cost, admitted.decision,
+                                         no_objective, scene)
+    assert kept is not None and kept.outcome is Outcome.ADMIT
+    assert kept.max_inflight is not None and kept.max_inflight < alone.max_inflight  # kept
 
 
 def test_work_conservation_a_request_whose_own_replica_is_idle_is_admitted() -> None:
