@@ -188,19 +188,9 @@ def waits_for_compute(sample: EngineSample, max_num_seqs: int, kv_tokens: int,
     return (1.0 - sample.kv_usage) * kv_tokens >= need_tokens
 
 
-def waiting_for_room(sample: EngineSample, max_num_seqs: int, kv_tokens: int,
-                     need_tokens: float) -> int:
-    """How many of the requests a replica's engine (one scrape's ``sample``) holds waiting
-    wait for a sequence slot or KV memory: all of them, unless they wait for compute
-    (``waits_for_compute``: a slot and room for ``need_tokens`` are free)."""
-    if sample.waiting <= 0 or waits_for_compute(sample, max_num_seqs, kv_tokens, need_tokens):
-        return 0
-    return sample.waiting
-
-
 def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capacity,
              level: Level, left: float = 1.0, idle: bool = False,
-             ttft_budget_ms: float | None = None, queued: bool = False) -> Decision | None:
+             ttft_budget_ms: float | None = None) -> Decision | None:
     """The model refused a feasible request (``MEASURABLE``); it is admitted (``MEASURED``)
     if a replica has a free slot for it (its sequence limit and its KV cache) and either a
     replica has nothing to do or the pool's work, with it, is within the measured level (and
@@ -216,10 +206,6 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     its sessions then keeps it empty (measured: agentic/70b-vllm refused work an idle replica
     would have done in 27-35 % of the run). No ledger check: the engine's report is the
     check, and one request per report is what it covers.
-
-    ``queued``: the replica the request goes to reports requests waiting
-    (``extproc.fleet.enginestats.Correction``): that one is not a replica with nothing to do,
-    whatever the pool's sum says.
 
     ``ttft_budget_ms``: its class's first-token budget (None: no objective): the level, which
     sees only deadlines, does not admit a request predicted to start past it (module
@@ -240,7 +226,7 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     room = level.level_ms * replicas * min(1.0, max(0.0, left))
     within_level = (replicas > 0 and work <= room
                     and (ttft_budget_ms is None or decision.ttft_ms <= ttft_budget_ms))
-    if n + cost.sequences > free or not ((n < replicas and not queued) or within_level):
+    if n + cost.sequences > free or not (n < replicas or within_level):
         return None
     return dataclasses.replace(
         decision, outcome=Outcome.ADMIT, reason=Reason.MEASURED, retry_after_ms=None,
