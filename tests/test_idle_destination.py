@@ -147,3 +147,28 @@ def test_envoy_forwards_the_pickers_namespace_only_when_a_pool_reads_it() -> Non
 
     assert forwarded({}) == {"untyped": [DESTINATION_NAMESPACE]}
     assert forwarded({"idle_destination": False}) is None
+
+
+async def test_a_request_for_a_replica_with_a_queue_starts_after_it(
+        replicas: tuple[str, str]) -> None:
+    """Each replica runs one request at a time (``max_num_seqs: 1``, as the fake engines
+    do). The ledger holds one request of 5 s, so the model admits at once; but the busy
+    replica's engine holds a request waiting for its slot. A request the picker sends there
+    is predicted to start after it, two releases of the ledger's mean request away, past its
+    first-token budget, and refused. One for the idle replica is admitted, and so is one with
+    no pick (a least-loaded balancer sends it where nothing waits)."""
+    idle, busy = replicas
+    async with bypassing(busy, 2):
+        await until(lambda: metric(f"http://{busy}/metrics", "vllm:num_requests_waiting"), 1)
+        one = settings([idle, busy])
+        one["pools"][0]["engine"]["max_num_seqs"] = 1
+        async with serving(one) as (svc, stub):
+            await svc.gate.ledger.reserve(Entry("other", "llama", 5_000.0, 600_000.0))
+            url = gateway(svc)
+            await until(lambda: metric(url, "extproc_engine_metrics_fresh_targets",
+                                       pool="llama"), 2)
+            to_busy = await ask(stub, picked(body(chat(100)), busy))
+            assert to_busy.immediate_response.status.code == 429
+            assert reason(to_busy) == "ttft"
+            assert (await ask(stub, body(chat(100)))).HasField("request_body")
+            assert (await ask(stub, picked(body(chat(100)), idle))).HasField("request_body")

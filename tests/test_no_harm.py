@@ -334,6 +334,49 @@ def test_work_conservation_a_request_whose_own_replica_is_idle_is_admitted() -> 
     assert learning.level.level_ms == 0.0
 
 
+def test_a_request_bound_for_a_replica_with_a_queue_starts_after_it() -> None:
+    """The ledger counts requests in flight, not where they wait: a replica out of KV memory
+    holds requests waiting while the ledger's estimate leaves slots free. A request whose own
+    replica reports a queue is predicted to start after it; past its first-token budget it
+    is refused, and the measured level does not overrule that (it cannot see first tokens);
+    nor does the pool's sum saying a replica has nothing to do, when this one holds a queue."""
+    learning = strictest()
+    now = 0.0
+    for _ in range(10):
+        _, now = generation(learning, now)
+    snapshot = at(5 * R, learning)
+    free = admit(ask(), POOL, RULES, learning, snapshot, R, now)
+    assert (free.outcome, free.reason) == (Outcome.ADMIT, Reason.MEASURED)
+    assert free.decision is not None
+    short = admit(ask(), POOL, RULES, learning, snapshot, R, now, Correction(queued=1))
+    assert short.decision is not None and short.decision.ttft_ms > free.decision.ttft_ms
+    budget = short.policy.ttft_budget_ms
+    assert budget is not None
+    long = admit(ask(), POOL, RULES, learning, snapshot, R, now, Correction(queued=40))
+    assert long.decision is not None and long.decision.ttft_ms > budget
+    assert long.outcome is Outcome.REJECT
+    assert long.retry_after_ms is not None and long.retry_after_ms >= budget
+    idle = admit(ask(), POOL, RULES, learning, snapshot, R, now, Correction(idle=True))
+    assert (idle.outcome, idle.reason) == (Outcome.ADMIT, Reason.IDLE)
+    # The replica's queue replaces the pool's average one where longer, never adds to it:
+    # with every slot taken and five more waiting a replica, one waiting there moves nothing.
+    deep = at(SLOTS * R + 5 * R, learning)
+    pooled = admit(ask(), POOL, RULES, learning, deep, R, now)
+    own = admit(ask(), POOL, RULES, learning, deep, R, now, Correction(queued=1))
+    assert pooled.decision is not None and own.decision is not None
+    assert pooled.decision.wait_ms > 0
+    assert own.decision.ttft_ms == pooled.decision.ttft_ms
+    # Waiting for compute: their prompts are prefilled first on that replica.
+    prompts = admit(ask(), POOL, RULES, learning, snapshot, R, now, Correction(prefilling=400))
+    assert prompts.decision is not None and prompts.decision.ttft_ms > budget
+    assert prompts.outcome is Outcome.REJECT
+    # With fewer requests in flight than replicas, one has nothing to do, but not this one.
+    few = at(R - 1, learning)
+    assert admit(ask(), POOL, RULES, learning, few, R, now).outcome is Outcome.ADMIT
+    assert admit(ask(), POOL, RULES, learning, few, R, now,
+                 Correction(queued=40)).outcome is Outcome.REJECT
+
+
 def test_recovery_from_the_strictest_state_in_a_few_deadlines() -> None:
     learning = strictest()
     promise = learning.promise("latency")

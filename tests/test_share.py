@@ -249,11 +249,11 @@ def test_critical_traffic_is_served_first(fleet: str) -> None:
 
 
 PRIORITY_GAPS = {  # measured at 3x: critical completions in time / critical jobs offered
-    "70b-16": "92% served, 95.9% attainment: the 16-slot fleet's cold start (optimistic first"
+    "70b-16": "95% served, 95% attainment: the 16-slot fleet's cold start (optimistic first"
               " promises, then a strict one) hits every priority alike",
-    "8b-vllm": "94% served (99.8% attainment)",
-    "70b-vllm": "89% served (99.0% attainment): critical traffic alone gets 47% on this draw"
-                " (a 22 s deadline on a KV-bound fleet)",
+    "70b-vllm": "87% served, 87% attainment (90% before requests started after their"
+                " replica's queue): critical traffic alone gets 47% on this draw (a 22 s"
+                " deadline on a KV-bound fleet)",
 }
 
 
@@ -262,7 +262,8 @@ PRIORITY_GAPS = {  # measured at 3x: critical completions in time / critical job
 def test_critical_goodput_under_3x_overload_is_its_offered_load(fleet: str,
                                                                 request: pytest.FixtureRequest,
                                                                 ) -> None:
-    request.applymarker(pytest.mark.xfail(strict=True, reason=PRIORITY_GAPS[fleet]))
+    if (gap := PRIORITY_GAPS.get(fleet)) is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
     share, attainment = served(fleet, 3.0)[CRITICAL]
     assert share >= 0.99 and attainment >= 0.99
 

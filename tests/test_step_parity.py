@@ -56,7 +56,8 @@ def through_the_simulator(config: config_mod.Config, work: list[Job]
 
     pool = config.pools[0]
     scenario = Scenario(name="parity", jobs=work, config=config, engine=pool.engine,
-                        replicas=pool.replicas, clients=ClientModel(timeout_s=60.0))
+                        replicas=pool.replicas, clients=ClientModel(timeout_s=60.0),
+                        engines_scraped=False)  # as the gate: no engine_metrics
     Simulation(scenario, make("default"), on_decision=record).run()
     return seen
 
@@ -139,7 +140,8 @@ async def test_gate_and_simulator_learn_alike(seed: int) -> None:
     firsts: set[float] = set()
     pool = config.pools[0]
     scenario = Scenario(name="parity", jobs=work, config=config, engine=pool.engine,
-                        replicas=pool.replicas, clients=ClientModel(timeout_s=60.0))
+                        replicas=pool.replicas, clients=ClientModel(timeout_s=60.0),
+                        engines_scraped=False)  # as the gate: no engine_metrics
     simulation = Simulation(scenario, make("default"))
 
     def record(job: Job, snapshot: Snapshot, adm: Admission) -> None:

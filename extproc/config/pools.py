@@ -98,9 +98,10 @@ class EngineMetricsConfig:
     cancelled stream's answer is estimated at from vllm:time_to_first_token_seconds and
     vllm:inter_token_latency_seconds."""
     idle_destination: Flag = True
-    """Admit a request the model refuses when the replica an endpoint picker before ext_proc
-    chose for it (Envoy metadata envoy.lb, x-gateway-destination-endpoint) reports nothing
-    running or waiting."""
+    """Read the replica an endpoint picker before ext_proc chose for a request (Envoy
+    metadata envoy.lb, x-gateway-destination-endpoint): admit a request the model refuses when
+    that replica reports nothing running or waiting, and start it after the queue it reports
+    (off: the least-waiting replica's queue)."""
 
     @model_validator(mode="after")
     def _samples_outlive_a_round(self) -> Self:

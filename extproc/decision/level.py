@@ -72,6 +72,7 @@ tighten the model for what the measurement already governs).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -188,8 +189,27 @@ def waits_for_compute(sample: EngineSample, max_num_seqs: int, kv_tokens: int,
     return (1.0 - sample.kv_usage) * kv_tokens >= need_tokens
 
 
+def waiting_for_room(sample: EngineSample, max_num_seqs: int, kv_tokens: int,
+                     need_tokens: float) -> int:
+    """How many of the requests a replica's engine (one scrape's ``sample``) holds waiting
+    wait for a sequence slot or KV memory: all of them, unless they wait for compute
+    (``waits_for_compute``: a slot and room for ``need_tokens`` are free)."""
+    if sample.waiting <= 0 or waits_for_compute(sample, max_num_seqs, kv_tokens, need_tokens):
+        return 0
+    return sample.waiting
+
+
+class Replica(enum.Enum):
+    """What the engine of the replica a request goes to last reported, after the last request
+    sent there (``extproc.fleet.enginestats.Correction``)."""
+
+    UNSEEN = "unseen"  # no fresh report of it
+    IDLE = "idle"  # nothing running or waiting
+    QUEUED = "queued"  # requests waiting (for a slot, KV memory or compute)
+
+
 def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capacity,
-             level: Level, left: float = 1.0, idle: bool = False,
+             level: Level, left: float = 1.0, replica: Replica = Replica.UNSEEN,
              ttft_budget_ms: float | None = None) -> Decision | None:
     """The model refused a feasible request (``MEASURABLE``); it is admitted (``MEASURED``)
     if a replica has a free slot for it (its sequence limit and its KV cache) and either a
@@ -197,7 +217,7 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     its first token is predicted within ``ttft_budget_ms``). The
     ledger's atomic checks: that work and those slots. None: it stays as decided.
 
-    ``idle``: the replica the request goes to has nothing to do, as its own engine reported
+    ``replica`` IDLE: the replica the request goes to has nothing to do, as its own engine reported
     after the last request this gateway sent there (``extproc.fleet.enginestats``: an endpoint
     picker in front of the gateway named it). Then it is admitted (``IDLE``) if it fits that
     replica's KV cache alone, whatever the pool as a whole holds: the ledger sees the pool's
@@ -206,6 +226,9 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     its sessions then keeps it empty (measured: agentic/70b-vllm refused work an idle replica
     would have done in 27-35 % of the run). No ledger check: the engine's report is the
     check, and one request per report is what it covers.
+
+    ``replica`` QUEUED: the replica the request goes to reports requests waiting: that one is
+    not a replica with nothing to do, whatever the pool's sum says.
 
     ``ttft_budget_ms``: its class's first-token budget (None: no objective): the level, which
     sees only deadlines, does not admit a request predicted to start past it (module
@@ -217,7 +240,8 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     if decision.reason not in MEASURABLE:
         return None
     n, replicas = snapshot.inflight, capacity.replicas
-    if idle and cost.kv <= (capacity.engine.kv_tokens or math.inf):  # (0: not bounded)
+    fits_alone = cost.kv <= (capacity.engine.kv_tokens or math.inf)  # (0: not bounded)
+    if replica is Replica.IDLE and fits_alone:
         return dataclasses.replace(
             decision, outcome=Outcome.ADMIT, reason=Reason.IDLE, retry_after_ms=None,
             ceiling_ms=None, max_inflight=None)
@@ -226,7 +250,8 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
     room = level.level_ms * replicas * min(1.0, max(0.0, left))
     within_level = (replicas > 0 and work <= room
                     and (ttft_budget_ms is None or decision.ttft_ms <= ttft_budget_ms))
-    if n + cost.sequences > free or not (n < replicas or within_level):
+    spare = n < replicas and replica is not Replica.QUEUED  # a replica with nothing to do
+    if n + cost.sequences > free or not (spare or within_level):
         return None
     return dataclasses.replace(
         decision, outcome=Outcome.ADMIT, reason=Reason.MEASURED, retry_after_ms=None,

@@ -66,9 +66,10 @@ from extproc.decision.admission import (
     Reason,
     Snapshot,
     decide,
+    release_quantile,
 )
 from extproc.decision.lengths import PRIOR_SAMPLES
-from extproc.decision.level import measured
+from extproc.decision.level import Replica, measured
 from extproc.decision.running import Running
 from extproc.decision.share import priority_group, tenant_group
 from extproc.errors import BadRequest, RequestError
@@ -283,9 +284,11 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
     snapshot = dataclasses.replace(correction.apply(snapshot),
                                    prefill_tokens=learning.backlog.level(now, rate) / share)
     decision = decide(cost, snapshot, capacity, policy, now)
+    if _replica(correction) is Replica.QUEUED:
+        decision = _behind_queue(decision, correction, snapshot, policy, capacity)
     if not policy.batch and ask.known_output_tokens is None:  # (the oracle needs no measuring)
         decision = measured(decision, cost, snapshot, capacity, learning.level,
-                            _left(whole, policy), correction.idle,
+                            _left(whole, policy), _replica(correction),
                             policy.ttft_budget_ms) or decision
     outcome, reason = decision.outcome, decision.reason
     error: RequestError | None = None
@@ -357,6 +360,62 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
         alone=snapshot.inflight < replicas, limit=limit,
         alone_ms=first + cost.typical * pool.engine.itl_ms(1, cost.prompt_tokens),
         first_alone_ms=first, share=share, streaming=ask.streaming)
+
+
+def _replica(correction: Correction) -> Replica:
+    if correction.idle:
+        return Replica.IDLE
+    return Replica.QUEUED if correction.queued or correction.prefilling else Replica.UNSEEN
+
+
+def _behind_queue(decision: Decision, correction: Correction, snapshot: Snapshot,
+                  policy: Policy, capacity: Capacity) -> Decision:
+    """The decision for a request bound for a replica whose engine reports requests waiting
+    (``Correction``): it starts after them, and its first token and completion move by that
+    wait. The ledger sees the pool's requests in sum, and a replica out of KV memory, or the
+    one a prefix-aware router keeps a session on, holds a queue the sum does not show.
+
+    - Waiting for a slot or KV memory (``queued``): ``queued + 1`` of the replica's releases,
+      the ledger's mean charge each, at the model's quantile (as ``decide`` prices a queue
+      for slots).
+    - Waiting for compute (``prefilling``): their prompts (the traffic's mean each) prefilled
+      first on that replica.
+
+    That wait replaces the one ``decide`` priced for the pool's average queue (its slots and
+    its prefill backlog) where it is longer; it is never added to it (the waiting requests
+    are in the ledger's sum too).
+
+    An admission the wait takes past its deadline or first-token budget is refused; a refusal
+    comes back no sooner than the wait; and the measured level, which cannot see first
+    tokens, does not let in what now starts too late (``extproc.decision.level``)."""
+    if decision.reason is Reason.INFEASIBLE:
+        return decision
+    n = snapshot.inflight
+    mean_ms = snapshot.outstanding_ms / n if n else decision.charge_ms
+    slots_ms = (release_quantile(correction.queued + 1, capacity.wait_z) * mean_ms
+                if correction.queued else 0.0)
+    batch = min(float(capacity.batch), n / max(capacity.replicas, 1))
+    prompts_ms = (correction.prefilling * capacity.mix.prompt_tokens
+                  / capacity.batch_tokens_per_ms(batch))
+    wait_ms = slots_ms + prompts_ms - decision.wait_ms  # (the pool's queue, on average)
+    if wait_ms <= 0:
+        return decision
+    moved = dataclasses.replace(
+        decision, wait_ms=decision.wait_ms + wait_ms, ttft_ms=decision.ttft_ms + wait_ms,
+        completion_ms=decision.completion_ms + wait_ms,
+        finish_at=decision.finish_at + wait_ms / 1000.0)
+    if decision.outcome is Outcome.REJECT:
+        return dataclasses.replace(moved, retry_after_ms=max(decision.retry_after_ms or 0.0,
+                                                             wait_ms))
+    budget = policy.ttft_budget_ms
+    late_first = budget is not None and moved.ttft_ms > budget
+    if decision.outcome is not Outcome.ADMIT or not (
+            late_first or moved.completion_ms > policy.budget_ms):
+        return moved
+    return dataclasses.replace(moved, outcome=Outcome.REJECT,
+                               reason=Reason.TTFT if late_first else Reason.DEADLINE,
+                               ceiling_ms=None, max_inflight=None,
+                               retry_after_ms=max(wait_ms, 1.0))
 
 
 def misses_alone(decision: Decision, policy: Policy) -> bool:

@@ -62,7 +62,11 @@ this gateway sent it (``EngineStats.sent``), the correction says so (``idle``): 
 admits what the model refused for the pool as a whole (``extproc.decision.level.measured``). One
 request per report: the next sees the replica busy, or waits for the next scrape. The one way
 the engines loosen admission, and only where the report is about the very replica the request
-is going to.
+is going to. When that replica (with no picker: the fresh target holding the fewest waiting,
+where a least-loaded balancer sends it, ``EngineStats.where``) reports requests waiting, the
+correction says how many wait for a slot or KV memory (``queued``) and how many for compute
+(``prefilling``, ``extproc.decision.level.waiting_for_room``): the step predicts the request to
+start after them (``extproc.decision.step``).
 """
 
 from __future__ import annotations
@@ -267,6 +271,8 @@ class Correction:
     extra_inflight: int = 0
     extra_ms: float = 0.0
     idle: bool = False  # the request's own replica has nothing to do (module docstring)
+    queued: int = 0  # ... or holds this many waiting for a slot or KV memory (docstring) ...
+    prefilling: int = 0  # ... or this many waiting for compute: their prompts first
 
     def apply(self, snapshot: Snapshot) -> Snapshot:
         if not self.extra_inflight:
@@ -402,6 +408,22 @@ class EngineStats:
                         and not sample.waiting
                         and at > self._sent.get(pool, {}).get(target, -math.inf))
         return False
+
+    def where(self, pool: str, destination: str | None) -> EngineSample | None:
+        """The fresh sample of the replica a request goes to: ``destination`` (``host:port``),
+        if taken after the last ``sent`` to it; with none named, the target holding the
+        fewest waiting (where a least-loaded balancer sends it). None: no fresh sample says."""
+        now = self._clock()
+        sent = self._sent.get(pool, {})
+        seen = []
+        for target, (at, sample) in self._samples.get(pool, {}).items():
+            if now - at > self.max_age_s:
+                continue
+            if destination is None:
+                seen.append(sample)
+            elif address(target) == destination:
+                return sample if at > sent.get(target, -math.inf) else None
+        return min(seen, key=lambda sample: sample.waiting, default=None)
 
     def sent(self, pool: str, destination: str) -> None:
         """A request is on its way to ``destination``: its last sample is out of date."""

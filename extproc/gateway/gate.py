@@ -71,6 +71,7 @@ from extproc.decision.admission import Outcome, Reason, Snapshot
 from extproc.decision.defer import DEFERRABLE
 from extproc.decision.learning import PoolLearning, learning_for
 from extproc.decision.lengths import decay_factor
+from extproc.decision.level import waiting_for_room
 from extproc.decision.rules import Rules
 from extproc.decision.share import parse_priority
 from extproc.decision.step import (
@@ -323,10 +324,17 @@ class Gate:
                          tolerance=settings.tolerance, slack=settings.slack)
         self.metrics.engine_correction.labels(pool.name).set(fix.extra_inflight)
         stats = self.engines.get(pool.name)
-        if (destination is not None and settings.idle_destination and stats is not None
+        if stats is None:
+            return fix
+        if (destination is not None and settings.idle_destination
                 and stats.idle(pool.name, destination)):
-            fix = dataclasses.replace(fix, idle=True)
-        return fix
+            return dataclasses.replace(fix, idle=True)
+        sample = stats.where(pool.name, destination if settings.idle_destination else None)
+        if sample is None or sample.waiting <= 0:
+            return fix
+        room = waiting_for_room(sample, pool.engine.max_num_seqs, pool.engine.kv_tokens,
+                                mix.prompt_tokens + mix.output_tokens)
+        return dataclasses.replace(fix, queued=room, prefilling=sample.waiting - room)
 
     async def _recount(self, ticket: Ticket, request: InferenceRequest, pool: Pool,
                        uncounted: Uncounted, ask: Ask, replicas: int) -> None:

@@ -42,6 +42,7 @@ from extproc.decision.admission import Outcome, Policy, Reason, Snapshot
 from extproc.decision.defer import DEFERRABLE, Queue, Refused, Waiter, enter
 from extproc.decision.learning import PoolLearning
 from extproc.decision.lengths import Prior, decay_factor
+from extproc.decision.level import waiting_for_room
 from extproc.decision.rules import Rules
 from extproc.decision.running import Running
 from extproc.decision.step import (
@@ -343,11 +344,19 @@ class Simulation:
             view = self._engine_view(now)
             routed = self._routed(job.prefix_key)
             i = self.ready.index(routed) if routed is not None else -1
-            idle = (i >= 0 and i < len(view.running) and not view.running[i]
-                    and not view.waiting[i]
-                    and self._view_at > self._sent_at.get(id(routed), -INF))
-            adm = admit(ask, pool, self.rules, learning, snapshot, len(self.ready), now,
-                        Correction(idle=idle))
+            fresh = (self.scenario.engines_scraped and 0 <= i < len(view.running)
+                     and self._view_at > self._sent_at.get(id(routed), -INF))
+            fix = Correction()
+            if fresh and view.waiting[i] > 0:
+                e, mix = self.scenario.engine, learning.mix()
+                sample = EngineSample(view.waiting[i], view.running[i],
+                                      view.kv_usage[i] if e.num_gpu_blocks else None)
+                room = waiting_for_room(sample, e.max_num_seqs, e.kv_tokens,
+                                        mix.prompt_tokens + mix.output_tokens)
+                fix = Correction(queued=room, prefilling=sample.waiting - room)
+            elif fresh and not view.running[i]:
+                fix = Correction(idle=True)
+            adm = admit(ask, pool, self.rules, learning, snapshot, len(self.ready), now, fix)
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
                 adm = adm.refused(Reason.PRIORITY)  # a higher band is held (extproc.decision.defer)
             outcome, retry_ms = adm.outcome, adm.retry_after_ms

@@ -68,6 +68,7 @@ class Scenario:
     replicas: int
     clients: ClientModel = field(default_factory=ClientModel)
     engine_aborts: bool = True  # engines drop a request when its client goes (streaming)
+    engines_scraped: bool = True  # the gateway reads each replica's own report (idle, queue)
     autoscaler: Callable[[], Recommender] | None = None  # None: a fixed fleet
     provisioning_s: float = 540.0
     control_period_s: float = 15.0
