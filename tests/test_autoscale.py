@@ -206,9 +206,21 @@ def test_rejections_under_the_threshold_or_too_few_decisions_do_nothing() -> Non
 
 
 def test_a_deep_queue_per_replica_doubles() -> None:
-    rec = Recommender()
-    got = rec.observe(window(15, ready=4, queue_depth=40))  # 10 per replica, target 4
-    assert (got.desired, got.reason) == (8, Reason.QUEUE_DEPTH)
+    got = Recommender().observe(window(15, ready=4, queue_depth=40, oldest_age_s=30.0))
+    assert (got.desired, got.reason) == (8, Reason.QUEUE_DEPTH)  # 10 per replica, target 4
+    unknown = Recommender().observe(window(15, ready=4, queue_depth=40, oldest_age_s=None))
+    assert unknown.desired == 8  # an age not known cannot prove the queue young
+
+
+def test_a_deep_queue_that_loses_nothing_and_does_not_age_is_admissions_plan() -> None:
+    """Under enforced admission the engines' queue holds what finishes within its deadlines:
+    ten a replica whose oldest request is a second old, nothing refused, is not demand the
+    replicas cannot meet (the simulated incident: 4 -> 6 replicas where 4 carry it). The same
+    queue with requests refused, or grown old, is."""
+    young = dict(ready=4, queue_depth=40, oldest_age_s=1.0)
+    assert Recommender().observe(window(15, **young)).reason is Reason.STEADY
+    shedding = Recommender().observe(busy(15, 4, 600, queue_depth=40, oldest_age_s=1.0))
+    assert shedding.direction is Direction.UP
 
 
 def test_held_requests_are_backlog_for_the_drain_not_a_deep_engine_queue() -> None:

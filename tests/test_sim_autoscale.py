@@ -6,14 +6,11 @@ rules of issue 5, on seeded deterministic runs with admission on (the default po
     minutes of each burst;
 (c) fewer replica-minutes than the HPA-on-GPU-utilization baseline at equal or better
     goodput, equal read to one request in ten thousand (``SAME_GOODPUT``: on the incident the
-    recommender serves one request fewer in time than the baseline, of 111,000). It does not
-    hold today (strict xfails): on the incident the recommender spends 274.8 against 257.7
-    replica-minutes for that goodput, because admission keeps more than 8 requests waiting a
-    replica on the plateau (its promise loosens on measured attainment) and the queue trigger
-    reads that as demand (``QUEUED_PLATEAU``); on the trace both scale to 4 replicas for the
-    same goodput, the recommender 0.2 replica-minutes later down (81.7 against 81.5); a guard
-    keeps its replica-minutes bounded (``REPLICA_MIN_BOUND``). See docs/autoscaling.md,
-    "Validation in the simulator".
+    recommender serves one request fewer in time than the baseline, of 111,000, on 251.7
+    replica-minutes against 257.7). It does not hold on the trace (a strict xfail): both
+    scale to 4 replicas for the same goodput, the recommender 0.2 replica-minutes later down
+    (81.7 against 81.5); a guard keeps its replica-minutes bounded (``REPLICA_MIN_BOUND``).
+    See docs/autoscaling.md, "Validation in the simulator".
 
 Two workloads, each run with both autoscalers (four runs over two processes, ~15 s):
 
@@ -201,15 +198,8 @@ def test_c_goodput_at_least_the_hpa_baseline(runs: dict[str, dict[str, Run]], ke
     assert rec.goodput >= hpa.goodput * (1 - SAME_GOODPUT)
 
 
-QUEUED_PLATEAU = pytest.mark.xfail(strict=True, reason=(
-    "274.8 against 257.7 replica-minutes at the same goodput (28.51 req/s): on the plateau the"
-    " promise loosens and admission keeps more than 8 requests waiting a replica (each within"
-    " its deadline), which rule (a)'s queue trigger (8 a replica, the article's) reads as"
-    " demand: 4 -> 6 at 08:08 where 4 carry it"))
-
-
 @pytest.mark.parametrize("key", [
-    pytest.param("incident", marks=QUEUED_PLATEAU),
+    "incident",
     pytest.param("code", marks=pytest.mark.xfail(
         strict=True, reason="81.7 against 81.5 replica-minutes at the same goodput: both scale"
         " to 4 replicas, the recommender a little later back down")),
@@ -225,7 +215,6 @@ def test_c_on_the_trace_replica_minutes_stay_bounded(runs: dict[str, dict[str, R
     assert rec.replica_min <= REPLICA_MIN_BOUND * hpa.replica_min
 
 
-@QUEUED_PLATEAU
 def test_c_the_incident_spike_is_not_overshot_and_the_pool_scales_back_down(
         runs: dict[str, dict[str, Run]]) -> None:
     rec, hpa = runs["incident"]["recommender"], runs["incident"]["hpa"]

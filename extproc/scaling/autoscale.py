@@ -15,14 +15,20 @@ for one pool. Two rules are combined, the larger ask wins:
 
     (a ratio over one half is read as one half: beyond it the count is mostly the same
     requests coming back). ``q = queue_depth / ready``, the engines' queue (not what the
-    gateway holds: see (b)). When ``lost`` exceeds
-    ``reject_ratio_high`` or ``q`` exceeds ``queue_per_replica_high``:
+    gateway holds: see (b)). When ``lost`` exceeds ``reject_ratio_high``, or ``q`` exceeds
+    ``queue_per_replica_high`` while requests are lost or the oldest is older than
+    ``age_threshold_s`` (or its age is not known):
 
         demand_ratio = 1 / (1 - lost)              admission sheds the excess, so offered
                                                    requests over served ones are 1 / (1 - lost)
         queue_ratio  = q / queue_per_replica_target    (0 unless q is over its high mark)
         want_a       = clamp(ceil(ready x max(demand_ratio, queue_ratio)),
                              ready + 1, ceil(ready x max_up_factor))       at most 2x by default
+
+    A deep queue that loses nothing and does not age is admission's plan: under enforced
+    admission the engines hold what finishes within its deadline, and on the simulated
+    incident's plateau 8 and more a replica, each within it, read as demand asked 4 -> 6
+    replicas where 4 carry it (274.8 replica-minutes against the HPA's 257.7; 251.7 so).
 
     Read as ``1 / (1 - r)``, retries overstated demand: in the simulated incident 64 % of the
     attempts were rejected where 1.25x the capacity was offered, and the rule asked 3 -> 6
@@ -377,9 +383,11 @@ def recommend(w: Window, s: State, p: ScalingPolicy) -> tuple[Recommendation, St
     # Rejections count by the requests they cost: ``lost`` is the estimated share of requests
     # (not attempts) turned away for good once the clients' retries are spent. A window in
     # which replicas turned ready is not judged: its rejections predate the new capacity.
-    if w.ready > 0 and (shedding or per_replica_q > p.queue_per_replica_high):
+    # A deep queue that loses nothing and does not age is admission's plan (it admits what
+    # finishes within its deadline), not demand the replicas cannot meet.
+    deep = per_replica_q > p.queue_per_replica_high and (shedding or age_high is not False)
+    if w.ready > 0 and (shedding or deep):
         demand_ratio = 1.0 / (1.0 - lost) if shedding and lost is not None else 1.0
-        deep = per_replica_q > p.queue_per_replica_high
         queue_ratio = per_replica_q / p.queue_per_replica_target if deep else 0.0
         cap = _ceil(w.ready * p.max_up_factor)
         want = max(w.ready + 1, min(cap, _ceil(w.ready * max(demand_ratio, queue_ratio))))
