@@ -9,8 +9,9 @@ from extproc.decision.admission import Outcome, Reason, Snapshot
 from extproc.decision.learning import learning_for
 from extproc.decision.rules import Rules
 from extproc.decision.running import Running
-from extproc.decision.step import Ask, admit
-from extproc.fleet.enginestats import Correction
+from extproc.decision.step import NO_CORRECTION, Ask, admit, reported
+from extproc.fleet.engine import EngineModel
+from extproc.fleet.enginestats import Correction, EngineSample
 
 ENGINE = {"max_num_seqs": 4, "max_model_len": 8192, "num_gpu_blocks": 0}
 IDLE = Snapshot(0, 0.0)
@@ -287,3 +288,20 @@ def test_batch_work_is_refused_when_it_would_crowd_out_interactive_requests() ->
     interactive = admit(Ask("latency", 500, 100), POOL, Rules.of(tight), learning,
                         Snapshot(5, 5 * 400.0, 5 * 700), 2, 20.0)
     assert interactive.outcome is Outcome.ADMIT
+
+
+def test_a_replica_s_report_becomes_the_step_s_correction() -> None:
+    """The one place the gate and the simulator turn the report of the replica a request goes
+    to into the step's correction: waiting for a slot (all slots taken) or for compute (a
+    slot and KV room free); nothing running or waiting is idle only on a replica named for
+    the request, never on the least-waiting one a balancer might not pick."""
+    engine = EngineModel(max_num_seqs=4, num_gpu_blocks=0)
+    base = Correction(extra_inflight=2, extra_ms=10.0)
+    full = reported(base, EngineSample(waiting=3, running=4), engine, 1000.0, named=True)
+    assert (full.queued, full.prefilling, full.extra_inflight) == (3, 0, 2)
+    free = reported(base, EngineSample(waiting=3, running=1), engine, 1000.0, named=True)
+    assert (free.queued, free.prefilling) == (0, 3)
+    idle = EngineSample(waiting=0, running=0)
+    assert reported(NO_CORRECTION, idle, engine, 1000.0, named=True).idle
+    assert not reported(NO_CORRECTION, idle, engine, 1000.0, named=False).idle
+    assert reported(base, None, engine, 1000.0, named=True) == base

@@ -69,7 +69,7 @@ from extproc.decision.admission import (
     release_quantile,
 )
 from extproc.decision.lengths import PRIOR_SAMPLES
-from extproc.decision.level import Replica, measured
+from extproc.decision.level import Replica, measured, waiting_for_room
 from extproc.decision.running import Running
 from extproc.decision.share import priority_group, tenant_group
 from extproc.errors import BadRequest, RequestError
@@ -78,9 +78,29 @@ from extproc.fleet.enginestats import Correction
 if TYPE_CHECKING:
     from extproc.decision.learning import PoolLearning
     from extproc.decision.rules import Rules
+    from extproc.fleet.engine import EngineModel
+    from extproc.fleet.enginestats import EngineSample
     from extproc.ledger import Cap
 
 NO_CORRECTION = Correction()
+
+
+def reported(fix: Correction, sample: EngineSample | None, engine: EngineModel,
+             need_tokens: float, *, named: bool) -> Correction:
+    """``fix`` with what the engine of the replica a request goes to last reported
+    (``sample``; None: no fresh report): how many wait there for a slot or KV memory and how
+    many for compute (``level.waiting_for_room``, a typical request needing ``need_tokens``),
+    or, with nothing running or waiting on a replica ``named`` for the request (by an endpoint
+    picker, or the simulator's router), that it has nothing to do. The gate and the simulator
+    both build the step's correction here."""
+    if sample is None:
+        return fix
+    if sample.waiting > 0:
+        room = waiting_for_room(sample, engine.max_num_seqs, engine.kv_tokens, need_tokens)
+        return dataclasses.replace(fix, queued=room, prefilling=sample.waiting - room)
+    if named and not sample.running:
+        return dataclasses.replace(fix, idle=True)
+    return fix
 
 
 @dataclass(frozen=True, slots=True)

@@ -398,17 +398,6 @@ class EngineStats:
         return aggregate(known.values(), targets, self._clock(), max_age_s=self.max_age_s,
                          min_coverage=self.min_coverage)
 
-    def idle(self, pool: str, destination: str) -> bool:
-        """Whether ``destination`` (``host:port``) is a target of ``pool`` whose fresh sample
-        shows nothing running and nothing waiting, taken after the last ``sent`` to it."""
-        now = self._clock()
-        for target, (at, sample) in self._samples.get(pool, {}).items():
-            if address(target) == destination:
-                return (now - at <= self.max_age_s and not sample.running
-                        and not sample.waiting
-                        and at > self._sent.get(pool, {}).get(target, -math.inf))
-        return False
-
     def where(self, pool: str, destination: str | None) -> EngineSample | None:
         """The fresh sample of the replica a request goes to: ``destination`` (``host:port``),
         if taken after the last ``sent`` to it; with none named, the target holding the

@@ -71,7 +71,6 @@ from extproc.decision.admission import Outcome, Reason, Snapshot
 from extproc.decision.defer import DEFERRABLE
 from extproc.decision.learning import PoolLearning, learning_for
 from extproc.decision.lengths import decay_factor
-from extproc.decision.level import waiting_for_room
 from extproc.decision.rules import Rules
 from extproc.decision.share import parse_priority
 from extproc.decision.step import (
@@ -82,6 +81,7 @@ from extproc.decision.step import (
     charge_of,
     kv_of,
     priority_of,
+    reported,
     running_of,
 )
 from extproc.errors import LedgerUnavailable, RequestError
@@ -312,8 +312,9 @@ class Gate:
         """The work the pool's engines hold that the ledger does not know about
         (``extproc.fleet.enginestats.correction``; nothing while their scrapes are stale). An unseen
         request is charged the ledger's mean, or the pool's mean request on an empty ledger.
-        And whether the replica an endpoint picker chose for the request, ``destination``,
-        has nothing to do (``EngineStats.idle``)."""
+        And what the replica the request goes to reports (``EngineStats.where``: the one an
+        endpoint picker chose, ``destination``, or the least-waiting one): nothing to do, or
+        a queue (``extproc.decision.step.reported``)."""
         settings = pool.engine_metrics
         if engines is None or settings is None:
             return NO_CORRECTION
@@ -326,15 +327,9 @@ class Gate:
         stats = self.engines.get(pool.name)
         if stats is None:
             return fix
-        if (destination is not None and settings.idle_destination
-                and stats.idle(pool.name, destination)):
-            return dataclasses.replace(fix, idle=True)
-        sample = stats.where(pool.name, destination if settings.idle_destination else None)
-        if sample is None or sample.waiting <= 0:
-            return fix
-        room = waiting_for_room(sample, pool.engine.max_num_seqs, pool.engine.kv_tokens,
-                                mix.prompt_tokens + mix.output_tokens)
-        return dataclasses.replace(fix, queued=room, prefilling=sample.waiting - room)
+        named = destination if settings.idle_destination else None
+        return reported(fix, stats.where(pool.name, named), pool.engine,
+                        mix.prompt_tokens + mix.output_tokens, named=named is not None)
 
     async def _recount(self, ticket: Ticket, request: InferenceRequest, pool: Pool,
                        uncounted: Uncounted, ask: Ask, replicas: int) -> None:

@@ -42,10 +42,10 @@ from extproc.decision.admission import Outcome, Policy, Reason, Snapshot
 from extproc.decision.defer import DEFERRABLE, Queue, Refused, Waiter, enter
 from extproc.decision.learning import PoolLearning
 from extproc.decision.lengths import Prior, decay_factor
-from extproc.decision.level import waiting_for_room
 from extproc.decision.rules import Rules
 from extproc.decision.running import Running
 from extproc.decision.step import (
+    NO_CORRECTION,
     Admission,
     Ask,
     admit,
@@ -53,9 +53,10 @@ from extproc.decision.step import (
     class_policy,
     cost_of,
     priority_of,
+    reported,
     running_of,
 )
-from extproc.fleet.enginestats import Correction, EngineSample
+from extproc.fleet.enginestats import EngineSample
 from extproc.gateway.retry import retry_delay_ms
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
@@ -346,16 +347,12 @@ class Simulation:
             i = self.ready.index(routed) if routed is not None else -1
             fresh = (self.scenario.engines_scraped and 0 <= i < len(view.running)
                      and self._view_at > self._sent_at.get(id(routed), -INF))
-            fix = Correction()
-            if fresh and view.waiting[i] > 0:
-                e, mix = self.scenario.engine, learning.mix()
-                sample = EngineSample(view.waiting[i], view.running[i],
-                                      view.kv_usage[i] if e.num_gpu_blocks else None)
-                room = waiting_for_room(sample, e.max_num_seqs, e.kv_tokens,
-                                        mix.prompt_tokens + mix.output_tokens)
-                fix = Correction(queued=room, prefilling=sample.waiting - room)
-            elif fresh and not view.running[i]:
-                fix = Correction(idle=True)
+            e, mix = self.scenario.engine, learning.mix()
+            sample = (EngineSample(view.waiting[i], view.running[i],
+                                   view.kv_usage[i] if e.num_gpu_blocks else None)
+                      if fresh else None)
+            fix = reported(NO_CORRECTION, sample, e, mix.prompt_tokens + mix.output_tokens,
+                           named=True)
             adm = admit(ask, pool, self.rules, learning, snapshot, len(self.ready), now, fix)
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
                 adm = adm.refused(Reason.PRIORITY)  # a higher band is held (extproc.decision.defer)
