@@ -260,9 +260,9 @@ GAPS = {
     ("flash-crowd", "attainment"): "98.1% (naive's 98.7%) at 1.05x naive's goodput",
     ("multi-turn", "naive"): "0.98x naive: the level climbs a request at a time while a"
                              " replica waits for compute (long conversations' prefill)",
-    ("bimodal", "naive"): "0.96x naive on a quarter-length run: a replica's queue of one"
-                          " (a second release) refuses a short answer's first token the"
-                          " pool's average queue admitted (the full-length run: 0.994x)",
+    ("bimodal", "naive"): "0.96x naive on a quarter-length run: first tokens refused on"
+                          " the queue their replica reports, which the pool's average"
+                          " queue admitted (the full-length run: 0.994x)",
     ("class-mix", "attainment"): "98.75%: TTFT misses of the latency class,"
                                  " which the gateway does not measure",
 }
