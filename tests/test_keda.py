@@ -140,15 +140,19 @@ async def test_stream_is_active_sends_now_then_each_change(keda: Keda) -> None:
     reader = asyncio.create_task(read())
     try:
         assert await asyncio.wait_for(received.get(), 5) is True  # the state on open
-        pools.by_pool["llama"] = rec(0, active=False)
-        scaler.notify()  # pushed at once, not at the next poll
-        assert await asyncio.wait_for(received.get(), 0.15) is False
-        pools.by_pool["llama"] = rec(0, active=False)  # no change: nothing sent
+        pools.by_pool["llama"] = rec(0, active=False)  # no notify: the poll (0.2 s) finds it
+        assert await asyncio.wait_for(received.get(), 5) is False
+        # Pushed at once, not at the next poll: with the poll a minute away, a change
+        # that arrives within seconds came by the notify (no timing a loaded machine breaks).
+        scaler.poll_interval_s = 60.0
+        await asyncio.sleep(0.5)  # the stream's pending 0.2 s wait ends; the next is 60 s
+        pools.by_pool["llama"] = rec(2, active=True)
+        scaler.notify()
+        assert await asyncio.wait_for(received.get(), 5) is True
+        pools.by_pool["llama"] = rec(2, active=True)  # no change: nothing sent
         scaler.notify()
         await asyncio.sleep(0.3)
         assert received.empty()
-        pools.by_pool["llama"] = rec(2, active=True)  # no notify: the poll finds it
-        assert await asyncio.wait_for(received.get(), 2) is True
     finally:
         stream.cancel()
         reader.cancel()
