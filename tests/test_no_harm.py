@@ -209,11 +209,13 @@ def test_two_gateways_on_one_ledger_each_climb_on_their_own_share_of_completions
 def test_cold_start_misses_after_the_climb_back_it_off() -> None:
     """Evidence the other way: requests run at the top that miss beyond the low-load
     baseline cut the level below the work they were run at, and completions of requests
-    admitted before that cut do not undo it."""
+    admitted before that cut do not undo it. (The pool's hits take half their deadlines: it
+    is slow for everyone. Beside hits that take a few percent of theirs, misses weigh little:
+    ``test_a_tail_beside_fast_hits_does_not_cut_the_level``.)"""
     learning = bimodal()
     now = 0.0
     for _ in range(8):
-        end(learning, fill(learning, now), now, 1.0)
+        end(learning, fill(learning, now), now, DEADLINE_S * 0.5)
         now += 1.0
     climbed = learning.level.level_ms
     assert climbed > 0.0
@@ -558,15 +560,44 @@ def test_an_overshoots_misses_cut_the_level_once_not_once_each() -> None:
     assert level.level_ms == pytest.approx(10_000.0 * BACKOFF ** 2)
 
 
+def test_a_tail_beside_fast_hits_does_not_cut_the_level() -> None:
+    """A tail is not a slow pool: a tenth of the answers at the top miss, while those served
+    in time took 2 % of their deadlines (bimodal/70b-vllm seed 1: 2.7 %). A back-off would
+    save the tail only by refusing most of what the pool serves, so the level holds. Counted
+    in full, these misses cut it eight times, to a sixth (0.497 of naive's goodput)."""
+    level = Level()
+    for _ in range(4):  # alone: in time
+        level.settled(False, 400.0, 0.0, alone=True)
+    level.level_ms, level.probing = 10_000.0, False
+    for i in range(200):
+        missed = i % 10 == 0
+        level.settled(missed, 10_000.0, 10_000.0, used=None if missed else 0.02)
+    assert level.level_ms == 10_000.0
+
+
+def test_the_same_misses_beside_slow_hits_cut_the_level() -> None:
+    """The other side: the same tenth missing while the hits used half their deadlines is a
+    pool slow for everyone, and the misses count in full."""
+    level = Level()
+    for _ in range(4):
+        level.settled(False, 400.0, 0.0, alone=True)
+    level.level_ms, level.probing = 10_000.0, False
+    for i in range(200):
+        missed = i % 10 == 0
+        level.settled(missed, 10_000.0, 10_000.0, used=None if missed else 0.5)
+    assert level.level_ms <= 10_000.0 * BACKOFF
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "the cold start's cascade (docs/admission.md, 'Tried since, not landed'): misses of"
     " requests admitted at the top of a level a sixth of today's each cut today's level"))
 def test_the_cold_starts_misses_do_not_cut_a_level_they_were_never_admitted_at() -> None:
     """A cold start's requests, admitted at the top of a small level (2,000 ms a replica),
-    whose short answers' completions then raised it six-fold: a tenth of them (the long
-    answers) miss, resolved together a deadline later. That is evidence against the load they
-    ran at, once; counted one by one today, each pair cuts the grown level again, and eight
-    cuts take it to a sixth (bimodal/70b-vllm seed 1: 0.497 of naive's goodput)."""
+    whose short answers' completions then raised it six-fold: a tenth of them miss, resolved
+    together a deadline later. That is evidence against the load they ran at, once; counted
+    one by one, each pair cuts the grown level again, and eight cuts take it to a sixth. (The
+    hits here say nothing of their speed: beside fast hits the misses weigh little, above;
+    beside slow ones the cascade stands.)"""
     level = Level()
     for _ in range(4):  # alone: in time
         level.settled(False, 400.0, 0.0, alone=True)
@@ -576,13 +607,11 @@ def test_the_cold_starts_misses_do_not_cut_a_level_they_were_never_admitted_at()
     assert level.level_ms >= 12_000.0 * BACKOFF
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the cold start's cascade: 12.44 good/s against naive's 25.03 (0.497), attainment 89.9 %"
-    " against 88.6 %"))
-def test_in_the_simulator_the_cold_starts_cascade_does_no_harm() -> None:
-    """The cell the unit test above stands for: bimodal/70b-vllm at 1.5x, seed 1 (off the
+def test_in_the_simulator_a_long_tail_does_no_harm() -> None:
+    """The cell the tail's test above stands for: bimodal/70b-vllm at 1.5x, seed 1 (off the
     matrix's seed), where the long tenth fits its deadline alone but not in a busy batch.
-    Issue 27's rule: the default's goodput at least 0.97x the better peer's."""
+    Issue 27's rule: the default's goodput at least 0.97x the better peer's (misses counted
+    in full: 12.92 good/s against naive's 25.03)."""
     drawn = families.draw("bimodal", 1, 1.5, "70b-vllm", 1.0)
     goodput = {name: Simulation(drawn.scenario, policies.make(name)).run().goodput
                for name in ("default", "naive", "saturation")}

@@ -362,9 +362,10 @@ class PoolLearning:
         self._views: dict[str, Lengths] = {}
         self._viewed_at = -math.inf
         # Each request is resolved at its deadline (docstring): (deadline, key), and the
-        # outcomes of those that ended first: key -> (what it ran as, missed).
+        # outcomes of those that ended first: key -> (what it ran as, missed, the share of its
+        # deadline a hit used).
         self._due: list[tuple[float, str]] = []
-        self._ended: dict[str, tuple[Running, bool]] = {}
+        self._ended: dict[str, tuple[Running, bool, float | None]] = {}
         self.level = Level(target=TARGET_ATTAINMENT)  # what the pool was seen to serve in time
         self._cut_at = -math.inf  # when the level last backed off (``completed``'s evidence)
         # The pool's work per replica at each decision, (when, work), kept only as suffix
@@ -504,9 +505,10 @@ class PoolLearning:
                 continue
             ended = self._ended.pop(key, None)
             if ended is not None:
-                self._resolved(*ended, now)
+                self._resolved(ended[0], ended[1], now, used=ended[2])
 
-    def _resolved(self, running: Running, missed: bool, now: float) -> None:
+    def _resolved(self, running: Running, missed: bool, now: float,
+                  used: float | None = None) -> None:
         """One admitted request's outcome, for its class's promise (unless the measured level
         admitted it against the model: ``extproc.decision.level``) and for the measured level."""
         if not running.measured:
@@ -515,7 +517,8 @@ class PoolLearning:
         if running.level_ms >= 0:
             before = self.level.level_ms
             self.level.settled(missed, running.at_ms, running.level_ms,
-                               alone=running.alone, unavoidable=running.unavoidable)
+                               alone=running.alone, unavoidable=running.unavoidable,
+                               used=used)
             if self.level.level_ms < before:
                 self._cut_at = now
 
@@ -638,7 +641,9 @@ class PoolLearning:
             self._abandoned(running, seconds, now)
         if kept and key is not None and math.isfinite(running.deadline_s):
             if not running.missed and (missed or completed):
-                self._ended[key] = (running, missed)
+                self._ended[key] = (running, missed,
+                                    seconds / running.deadline_s
+                                    if completed and not missed else None)
         elif missed or completed:
             if not kept:
                 self.promise(service_class).settled(missed, running.unavoidable,

@@ -50,6 +50,17 @@ The invariants (``docs/admission.md``):
   (measured: ~400 in flight to ~10 on priority/70b-vllm at 0.8x, refusing while replicas sat
   idle); counting only those admitted after the cut instead kept the level up through
   overloads (azure-code/70b-vllm 1.5x: attainment 77 % to 42 %).
+- **A tail is not a slow pool.** A miss at the top counts toward a back-off in proportion to
+  how much of their deadlines the top's hits used (``weight``), in full from ``SLOW_SHARE``
+  up. Where the answers served in time take a few percent of their budgets and a tenth of
+  the answers, far longer, miss (a long tail that fits alone but not in a busy batch), the
+  pool is not slow for its requests: a back-off saves the tail only by refusing most of what
+  it would serve, and the cuts cascaded into refusing half the traffic a plain limit serves
+  (bimodal/70b-vllm, seed 1: the hits used 2.7 % of their deadlines). Where the pool is slow
+  for everyone, its hits take a good share of their deadlines too (a quarter and more on every
+  other family measured), and its misses count in full; a brake too weak makes the hits slower,
+  and their weight rises with them (the share of hits close to the deadline, by contrast,
+  empties as an overload deepens: measured, docs/admission.md).
 - **Unavoidable misses never tighten.** The baseline is the miss rate measured at low load
   (requests admitted while a replica had nothing to do), with the model's chance of
   missing even alone (``extproc.decision.step.unavoidable``) as its prior for ``PRIOR_REQUESTS``
@@ -89,6 +100,7 @@ BACKOFF = 0.8  # the level's cut when the top misses more than the baseline allo
 MEMORY = 0.98  # each top resolution's weight decays by this per later one (~50 resolutions)
 CLEAN = 50  # top resolutions after a back-off without another: probing again (``PROBE``)
 PRIOR_REQUESTS = 20.0  # the model's unavoidable chance counts as this many low-load requests
+SLOW_SHARE = 1.0 - BACKOFF  # hits using this share of their deadlines: the misses count in full
 
 
 @dataclass
@@ -107,6 +119,10 @@ class Level:
     _top: float = 0.0  # resolutions at the top since the last back-off, decayed
     _top_missed: float = 0.0
     _top_allowed: float = 0.0  # ... and the misses the baseline allows them
+    _used: float = 0.0  # the shares of their deadlines the top's hits used, summed, decayed
+    _hits: float = 0.0  # ... and those hits
+    _resolved: float = 0.0  # the top's resolutions, decayed (never reset: ``weight``)
+    _missed: float = 0.0  # ... and its misses
 
     @property
     def baseline(self) -> float:
@@ -115,18 +131,29 @@ class Level:
         return (self._low_missed + PRIOR_REQUESTS * prior) / (self._low + PRIOR_REQUESTS)
 
     @property
+    def weight(self) -> float:
+        """What a miss at the top counts (module docstring, "A tail is not a slow pool"): the
+        mean share of their deadlines the top's hits used, over ``SLOW_SHARE``, at most 1; 1
+        before any hit, and while the top misses as often as it hits (a pool that misses most
+        of what it serves is slow, whatever its few hits say)."""
+        if self._hits <= 0.0 or 2.0 * self._missed >= self._resolved:
+            return 1.0
+        return min(1.0, self._used / self._hits / SLOW_SHARE)
+
+    @property
     def over(self) -> bool:
         """The top misses more than the baseline allows, by more than two Poisson deviations."""
         allowed = self._top_allowed
         return self._top_missed > allowed + 2.0 * math.sqrt(allowed) + 1.0
 
     def settled(self, missed: bool, at_ms: float, level_ms: float, *, alone: bool = False,
-                unavoidable: float = 0.0) -> None:
+                unavoidable: float = 0.0, used: float | None = None) -> None:
         """A request admitted with ``at_ms`` of work per replica outstanding (its own
         included), when the level was ``level_ms``, was resolved at its deadline: ``missed``
         it or not. ``alone``: a replica had nothing to do when it was admitted;
-        ``unavoidable``: the model's chance that it misses even alone. Misses at the top beyond
-        the baseline cut the level; a hit raised it already, when it completed
+        ``unavoidable``: the model's chance that it misses even alone; ``used``: a hit's time
+        in flight over its deadline (None: not known). Misses at the top beyond the baseline,
+        each counting ``weight``, cut the level; a hit raised it already, when it completed
         (``completed``)."""
         self._prior += unavoidable
         self._priors += 1.0
@@ -141,7 +168,12 @@ class Level:
         if self._since >= CLEAN:
             self.probing = True
         self._top = self._top * MEMORY + 1.0
-        self._top_missed = self._top_missed * MEMORY + (1.0 if missed else 0.0)
+        self._resolved = self._resolved * MEMORY + 1.0
+        self._missed = self._missed * MEMORY + (1.0 if missed else 0.0)
+        if used is not None and not missed:
+            self._used = self._used * MEMORY + used
+            self._hits = self._hits * MEMORY + 1.0
+        self._top_missed = self._top_missed * MEMORY + (self.weight if missed else 0.0)
         base = self.baseline
         self._top_allowed = self._top_allowed * MEMORY + base + (1.0 - base) * (1.0 - self.target)
         if missed and self.over:
