@@ -121,8 +121,8 @@ class Level:
     _top_allowed: float = 0.0  # ... and the misses the baseline allows them
     _used: float = 0.0  # the shares of their deadlines the top's hits used, summed, decayed
     _hits: float = 0.0  # ... and those hits
-    _resolved: float = 0.0  # the top's resolutions, decayed (never reset: ``weight``)
-    _missed: float = 0.0  # ... and its misses
+    _seen: float = 0.0  # the top's resolutions, decayed (never reset: ``weight``)
+    _seen_missed: float = 0.0  # ... and its misses
 
     @property
     def baseline(self) -> float:
@@ -136,7 +136,7 @@ class Level:
         mean share of their deadlines the top's hits used, over ``SLOW_SHARE``, at most 1; 1
         before any hit, and while the top misses as often as it hits (a pool that misses most
         of what it serves is slow, whatever its few hits say)."""
-        if self._hits <= 0.0 or 2.0 * self._missed >= self._resolved:
+        if self._hits <= 0.0 or 2.0 * self._seen_missed >= self._seen:
             return 1.0
         return min(1.0, self._used / self._hits / SLOW_SHARE)
 
@@ -168,8 +168,8 @@ class Level:
         if self._since >= CLEAN:
             self.probing = True
         self._top = self._top * MEMORY + 1.0
-        self._resolved = self._resolved * MEMORY + 1.0
-        self._missed = self._missed * MEMORY + (1.0 if missed else 0.0)
+        self._seen = self._seen * MEMORY + 1.0
+        self._seen_missed = self._seen_missed * MEMORY + (1.0 if missed else 0.0)
         if used is not None and not missed:
             self._used = self._used * MEMORY + used
             self._hits = self._hits * MEMORY + 1.0
