@@ -505,7 +505,8 @@ class PoolLearning:
                 continue
             ended = self._ended.pop(key, None)
             if ended is not None:
-                self._resolved(ended[0], ended[1], now, used=ended[2])
+                running, missed, used = ended
+                self._resolved(running, missed, now, used=used)
 
     def _resolved(self, running: Running, missed: bool, now: float,
                   used: float | None = None) -> None:

@@ -119,10 +119,11 @@ class Level:
     _top: float = 0.0  # resolutions at the top since the last back-off, decayed
     _top_missed: float = 0.0
     _top_allowed: float = 0.0  # ... and the misses the baseline allows them
-    _used: float = 0.0  # the shares of their deadlines the top's hits used, summed, decayed
-    _hits: float = 0.0  # ... and those hits
-    _seen: float = 0.0  # the top's resolutions, decayed (never reset: ``weight``)
-    _seen_missed: float = 0.0  # ... and its misses
+    # Decayed per top resolution, never reset by a back-off (``weight``): the shares of their
+    # deadlines the top's hits used, summed; those hits; and the top's misses.
+    _used: float = 0.0
+    _hits: float = 0.0
+    _misses: float = 0.0
 
     @property
     def baseline(self) -> float:
@@ -136,7 +137,7 @@ class Level:
         mean share of their deadlines the top's hits used, over ``SLOW_SHARE``, at most 1; 1
         before any hit, and while the top misses as often as it hits (a pool that misses most
         of what it serves is slow, whatever its few hits say)."""
-        if self._hits <= 0.0 or 2.0 * self._seen_missed >= self._seen:
+        if self._hits <= 0.0 or self._misses >= self._hits:
             return 1.0
         return min(1.0, self._used / self._hits / SLOW_SHARE)
 
@@ -168,11 +169,10 @@ class Level:
         if self._since >= CLEAN:
             self.probing = True
         self._top = self._top * MEMORY + 1.0
-        self._seen = self._seen * MEMORY + 1.0
-        self._seen_missed = self._seen_missed * MEMORY + (1.0 if missed else 0.0)
-        if used is not None and not missed:
-            self._used = self._used * MEMORY + used
-            self._hits = self._hits * MEMORY + 1.0
+        share = None if missed else used  # a hit's share of its deadline, if known
+        self._used = self._used * MEMORY + (share or 0.0)
+        self._hits = self._hits * MEMORY + (0.0 if share is None else 1.0)
+        self._misses = self._misses * MEMORY + (1.0 if missed else 0.0)
         self._top_missed = self._top_missed * MEMORY + (self.weight if missed else 0.0)
         base = self.baseline
         self._top_allowed = self._top_allowed * MEMORY + base + (1.0 - base) * (1.0 - self.target)

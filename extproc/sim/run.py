@@ -347,12 +347,13 @@ class Simulation:
             i = self.ready.index(routed) if routed is not None else -1
             fresh = (self.scenario.engines_scraped and 0 <= i < len(view.running)
                      and self._view_at > self._sent_at.get(id(routed), -INF))
-            e, mix = self.scenario.engine, learning.mix()
-            sample = (EngineSample(view.waiting[i], view.running[i],
-                                   view.kv_usage[i] if e.num_gpu_blocks else None)
-                      if fresh else None)
-            fix = reported(NO_CORRECTION, sample, e, mix.prompt_tokens + mix.output_tokens,
-                           named=True)
+            fix = NO_CORRECTION
+            if fresh:  # (the mix is read only for a report: this runs at every decision)
+                e, mix = self.scenario.engine, learning.mix()
+                sample = EngineSample(view.waiting[i], view.running[i],
+                                      view.kv_usage[i] if e.num_gpu_blocks else None)
+                fix = reported(fix, sample, e, mix.prompt_tokens + mix.output_tokens,
+                               named=True)
             adm = admit(ask, pool, self.rules, learning, snapshot, len(self.ready), now, fix)
             if self._defers and adm.outcome is Outcome.ADMIT and self.queue.blocks(adm.priority):
                 adm = adm.refused(Reason.PRIORITY)  # a higher band is held (extproc.decision.defer)
