@@ -589,6 +589,40 @@ def test_the_same_misses_beside_slow_hits_cut_the_level() -> None:
     assert level.level_ms <= 10_000.0 * BACKOFF
 
 
+def test_what_the_level_admits_below_its_top_it_answers_for() -> None:
+    """Where the slots or the KV cache bind below the level, nothing reaches its top: the
+    requests the level let in against the model (``measured``) miss, and the promise leaves
+    them to the level. Counted wherever the pool stood, their misses cut it; the model's own
+    admissions there stay the promise's, and cut nothing."""
+    def run(measured: bool) -> float:
+        level = Level()
+        for _ in range(40):  # alone: always in time
+            level.settled(False, 1000.0, 0.0, alone=True)
+        level.level_ms, level.probing = 10_000.0, False
+        for i in range(60):  # admitted at 4,000 ms a replica, far below the top; half miss
+            level.settled(i % 2 == 0, 4_000.0, 10_000.0, measured=measured)
+        return level.level_ms
+
+    assert run(measured=True) <= 10_000.0 * BACKOFF
+    assert run(measured=False) == 10_000.0
+
+
+def test_beside_fast_hits_what_the_level_admits_below_its_top_counts_at_the_top_only() -> None:
+    """The other side: where the top's hits use a few percent of their deadlines (a tail,
+    not a slow pool), the level's admissions below its top are not its evidence: a tail
+    misses at every load, and a back-off would only refuse what the pool serves."""
+    level = Level()
+    for _ in range(4):
+        level.settled(False, 400.0, 0.0, alone=True)
+    level.level_ms, level.probing = 10_000.0, False
+    for _ in range(50):  # the top's hits: 2 % of their deadlines
+        level.settled(False, 10_000.0, 10_000.0, used=0.02)
+    assert level.weight < 1.0
+    for i in range(60):
+        level.settled(i % 2 == 0, 4_000.0, 10_000.0, measured=True)
+    assert level.level_ms == 10_000.0
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "the cold start's cascade (docs/admission.md, 'Tried since, not landed'): misses of"
     " requests admitted at the top of a level a sixth of today's each cut today's level"))

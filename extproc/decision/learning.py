@@ -519,7 +519,7 @@ class PoolLearning:
             before = self.level.level_ms
             self.level.settled(missed, running.at_ms, running.level_ms,
                                alone=running.alone, unavoidable=running.unavoidable,
-                               used=used)
+                               used=used, measured=running.measured)
             if self.level.level_ms < before:
                 self._cut_at = now
 
