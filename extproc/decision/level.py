@@ -175,7 +175,7 @@ class Level:
             self._low += 1.0
             self._low_missed += 1.0 if missed else 0.0
         if at_ms < FRONTIER * level_ms and not (measured and self.weight >= 1.0):
-            return  # below the top, and the model's, or a tail's beside fast hits
+            return  # below the top: the model's admission, or any beside fast hits
         if at_ms > self.level_ms:
             return  # admitted above where a back-off has put the level since: not its evidence
         self._since += 1
