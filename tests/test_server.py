@@ -79,6 +79,8 @@ async def test_every_decided_answer_carries_the_verdict_for_envoys_access_log(
     refused = await Stream(stub).send(one_trip(b"{not json"))
     verdicts = [{k: v for k, v in resp.dynamic_metadata.fields["extproc"].struct_value.items()}
                 for resp in (admitted, refused)]
+    ticket = verdicts[0].pop("ticket")  # a request that runs: its ticket, a random id
+    assert len(ticket) == 32 and int(ticket, 16) >= 0
     assert verdicts == [
         {"outcome": "admit", "reason": "fits", "pool": "llama", "class": "latency"},
         {"outcome": "invalid", "reason": "bad_request", "class": "latency"}]  # no model read

@@ -187,6 +187,9 @@ class Cost:
     # prompt (prefilled once and forked, as vLLM does) and run side by side, so the request
     # ends with its longest one.
     sequences: int = 1
+    # What one sequence writes at least (vLLM's ``min_tokens``, or what an earlier attempt of
+    # the same request showed: ``extproc.decision.retries``); typical and promised include it.
+    least_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if self.sequences < 1:

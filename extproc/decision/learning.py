@@ -122,6 +122,7 @@ from typing import TYPE_CHECKING
 from extproc.decision.admission import Mix
 from extproc.decision.lengths import Lengths, Prior
 from extproc.decision.level import Level, waits_for_compute
+from extproc.decision.retries import Shown
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -374,6 +375,7 @@ class PoolLearning:
         self._loads: list[tuple[float, float]] = []
         self.backlog = Backlog()
         self.limit = Spread()  # the admission limit demoted requests meet (extproc.decision.step)
+        self.shown = Shown()  # what cancelled requests' answers had at least, for their retries
 
     def promise(self, service_class: str) -> Promise:
         promise = self.promises.get(service_class)
@@ -446,17 +448,21 @@ class PoolLearning:
         stopped says nothing)."""
         return now - self._queued_at <= SPEED_MAX_AGE_S
 
-    def _abandoned(self, running: Running, seconds: float, now: float) -> None:
+    def abandoned(self, running: Running, seconds: float, now: float) -> None:
         """A stream of this gateway's, running for ``seconds``, was cancelled: its answer had
-        at least the tokens the engines' measured speed gives it by then. It stands for the
-        pool's cancelled streams as this gateway's requests stand for the pool's (one in
-        ``1 / share``): the engines' finished answers are every gateway's, its cancelled
-        streams only its own."""
+        at least the tokens the engines' measured speed gives it by then. A streaming one
+        stands for the pool's cancelled streams as this gateway's requests stand for the
+        pool's (one in ``1 / share``): the engines' finished answers are every gateway's, its
+        cancelled streams only its own. And its retry is judged by it (``decision.retries``:
+        counted from the later of the engines' mean first token and its own predicted one)."""
         speed = self._speed
-        if not running.streaming or speed is None or now - speed.at > SPEED_MAX_AGE_S:
+        if speed is None or now - speed.at > SPEED_MAX_AGE_S:
             return
+        shown = (seconds * 1000.0 - max(speed.ttft_ms, running.ttft_ms)) / speed.itl_ms
+        if running.fingerprint is not None and shown >= 1.0:
+            self.shown.keep(running.fingerprint, shown, now)
         tokens = (seconds * 1000.0 - speed.ttft_ms) / speed.itl_ms
-        if tokens >= 1.0:
+        if running.streaming and tokens >= 1.0:
             self.begun.observe(tokens, 1.0 / max(running.share, 1e-3), cut=True)
             self._abandoned_seen = True
 
@@ -470,6 +476,7 @@ class PoolLearning:
         if now - self._viewed_at < CENSOR_REFRESH_S:
             return
         self._viewed_at = now
+        self.shown.forget(now)
         oldest = min((r.started for r in self._running.values()), default=now)
         self._loads = self._loads[bisect.bisect_right(self._loads, (oldest, math.inf)):]
         for group in [g for g, f in self.flows.items() if f.rate(now) * f.memory_s
@@ -639,7 +646,7 @@ class PoolLearning:
         if kept and completed and not missed:
             self._completed(running, now)
         if kept and not completed:
-            self._abandoned(running, seconds, now)
+            self.abandoned(running, seconds, now)
         if kept and key is not None and math.isfinite(running.deadline_s):
             if not running.missed and (missed or completed):
                 self._ended[key] = (running, missed,

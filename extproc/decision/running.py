@@ -10,7 +10,7 @@ and what the request is travel together. A leaf: it imports nothing of the house
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -37,3 +37,4 @@ class Running:
     measured: bool = False  # admitted by the measured level against the model's prediction
     share: float = 1.0  # this gateway's share of the pool's requests in flight at admission
     streaming: bool = True  # its client leaving aborts it at the engine (``Ask.streaming``)
+    fingerprint: str | None = field(default=None, repr=False)  # ``Ask.fingerprint``

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from extproc.config import Infeasible, Pool
@@ -130,6 +130,10 @@ class Ask:
     # stops no earlier): ``min_tokens``, or all it may with ``ignore_eos``.
     min_tokens: int = 0
     ignore_eos: bool = False
+    # A digest of its body (the gateway's; the simulator's job): an earlier attempt of the same
+    # request whose client left shows how long its answer is at least (``decision.retries``).
+    # Never logged or exported.
+    fingerprint: str | None = field(default=None, repr=False)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -166,6 +170,7 @@ class Admission:
     first_alone_ms: float = 0.0  # ... and its first token (``extproc.decision.defer``'s hold)
     share: float = 1.0  # this gateway's share of the pool's requests in flight (``admit``)
     streaming: bool = True  # ``Ask.streaming``
+    fingerprint: str | None = field(default=None, repr=False)  # ``Ask.fingerprint``
 
     @property
     def kv_tokens(self) -> int:
@@ -248,7 +253,7 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
         q = learning.promise(ask.service_class).quantile
         promised = max(lengths.quantile(q ** (1.0 / sequences)), least)
     return Cost(ask.prompt_tokens, most * sequences, typical, promised,
-                max(lengths.held(most), least), sequences=sequences)
+                max(lengths.held(most), least), sequences=sequences, least_tokens=least)
 
 
 def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
@@ -295,6 +300,7 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
 
     capacity = capacity_for(pool, replicas, learning,
                             learning.headroom(rules, now) if policy.batch else 0.0)
+    cost = _shown(cost, learning.shown.least(ask.fingerprint), capacity, policy)
     # The prefill backlog is this gateway's; behind several gateways it is the share of the
     # ledger's requests this one holds: the fleet's is that scaled up, draining at the
     # fleet's rate (this one's share of it drains at the same share of the rate).
@@ -379,7 +385,23 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
         level_ms=learning.level.level_ms, own_ms=decision.charge_ms / max(replicas, 1),
         alone=snapshot.inflight < replicas, limit=limit,
         alone_ms=first + cost.typical * pool.engine.itl_ms(1, cost.prompt_tokens),
-        first_alone_ms=first, share=share, streaming=ask.streaming)
+        first_alone_ms=first, share=share, streaming=ask.streaming,
+        fingerprint=ask.fingerprint)
+
+
+def _shown(cost: Cost, shown: float, capacity: Capacity, policy: Policy) -> Cost:
+    """``cost``, or, where an earlier attempt of the request showed an answer of about
+    ``shown`` tokens, more than its budget lets it write even alone, ``cost`` writing at least
+    that: it is infeasible (``extproc.decision.retries``). A shorter showing changes nothing:
+    read at the pool's mean step, it overstates what a request of a long context, or one that
+    waited for KV memory or was preempted, wrote, and would price a retry that fits as one
+    that does not."""
+    shown = min(shown, cost.most)
+    if shown <= longest_alone(cost, capacity, policy):
+        return cost
+    return dataclasses.replace(cost, typical_tokens=max(cost.typical, shown),
+                               promised_tokens=max(cost.promised, shown),
+                               least_tokens=max(cost.least_tokens, shown))
 
 
 def _replica(correction: Correction) -> Replica:
@@ -481,7 +503,7 @@ def running_of(adm: Admission, now: float) -> Running:
                              and adm.reason is not Reason.IDLE else -1.0),
                    own_ms=adm.own_ms, alone=adm.alone,
                    measured=adm.reason in (Reason.MEASURED, Reason.IDLE), share=adm.share,
-                   streaming=adm.streaming)
+                   streaming=adm.streaming, fingerprint=adm.fingerprint)
 
 
 def _crowds_out(ask: Ask, cost: Cost, decision: Decision, pool: Pool,
@@ -530,6 +552,8 @@ def miss_chance(cost: Cost, decision: Decision, policy: Policy, learning: PoolLe
     fits = (policy.deadline_ms - decision.ttft_ms) / decision.step_ms
     if fits >= cost.most:
         return 0.0
+    if fits < cost.least_tokens:
+        return 1.0
     return learning.lengths_for(service_class).survival(max(0.0, fits))
 
 
@@ -551,5 +575,7 @@ def unavoidable(cost: Cost, capacity: Capacity, policy: Policy, learning: PoolLe
         return 0.0
     if not math.isfinite(longest):
         return 0.0
+    if longest < cost.least_tokens:
+        return 1.0
     return learning.unavoidable_lengths(service_class).survival(max(0.0, longest))
 

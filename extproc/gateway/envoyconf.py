@@ -36,6 +36,9 @@ Choices made here, each matching what the server expects:
   as well (``config.canonical_path``), for an Envoy configured otherwise.
 - Access log (``Topology.access_log``, on by default): ``ACCESS_LOG``, one JSON object per
   request on Envoy's stdout, with the verdict the sidecar sends back as dynamic metadata.
+- The clients who left (``_clients_who_left``, always): the access log entries of requests
+  whose client went away before the answer ended (``DC``, ``DR``), over gRPC to the
+  processor's own port (``extproc.gateway.accesslog``), every ``LEFT_FLUSH_S``.
 - No route timeout: generations can run for many minutes; clients own their deadlines.
 - ``request_timeout`` (``Topology.request_timeout_s``, 30 s): the time a client has to send
   the whole request, headers and body. It stops once the request is in, so it never cuts a
@@ -77,7 +80,11 @@ from typing import Any, TypeVar
 
 import betterproto2
 import yaml
-from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+from envoy_data_plane.envoy.config.accesslog.v3 import (
+    AccessLog,
+    AccessLogFilter,
+    ResponseFlagFilter,
+)
 from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
 from envoy_data_plane.envoy.config.cluster.v3 import (
     CircuitBreakers,
@@ -92,6 +99,7 @@ from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutatio
 from envoy_data_plane.envoy.config.core import v3 as core
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
+    ApiVersion,
     GrpcService,
     GrpcServiceEnvoyGrpc,
     HealthCheck,
@@ -121,6 +129,10 @@ from envoy_data_plane.envoy.config.route.v3 import (
     VirtualHost,
 )
 from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
+from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
+    CommonGrpcAccessLogConfig,
+    HttpGrpcAccessLogConfig,
+)
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
 from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer, BufferPerRoute
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
@@ -196,6 +208,7 @@ ACCESS_LOG: dict[str, str] = {
 }
 
 MAX_DOWNSTREAM_CONNECTIONS = 100_000
+LEFT_FLUSH_S = 0.1  # well within the OpenAI SDK's first retry delay (0.375-0.5 s)
 _BIG = 100_000
 _HEADER = ProcessingModeHeaderSendMode
 _BODY = ProcessingModeBodySendMode
@@ -257,6 +270,20 @@ class _Doc:
                                                  for v in value.values()):
                 out[key] = {k: self.json(v) for k, v in value.items()}
         return out
+
+
+def _clients_who_left(doc: _Doc) -> AccessLog:
+    """The access log entries of requests whose client left before the answer ended (response
+    flags ``DC``, ``DR``), and only those, sent to the processor's own gRPC port, flushed every
+    ``LEFT_FLUSH_S`` (``extproc.gateway.accesslog``: the ext_proc stream ends the same way
+    whether the answer completed or its client left)."""
+    return AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        filter=AccessLogFilter(response_flag_filter=ResponseFlagFilter(flags=["DC", "DR"])),
+        typed_config=doc.pack(HttpGrpcAccessLogConfig(common_config=CommonGrpcAccessLogConfig(
+            log_name="clients-who-left", transport_api_version=ApiVersion.V3,
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name="extproc")),
+            buffer_flush_interval=_s(LEFT_FLUSH_S)))))
 
 
 def _s(seconds: float) -> timedelta:
@@ -457,11 +484,12 @@ def bootstrap(config: Config, topo: Topology) -> dict[str, Any]:
                     service_name="envoy",
                 ))),
         )
+    hcm.access_log = [_clients_who_left(doc)]
     if topo.access_log:
-        hcm.access_log = [AccessLog(name="envoy.access_loggers.stdout",
-                                    typed_config=doc.pack(StdoutAccessLog(
-                                        log_format=SubstitutionFormatString(
-                                            json_format=Struct.from_dict(ACCESS_LOG)))))]
+        hcm.access_log.append(AccessLog(name="envoy.access_loggers.stdout",
+                                        typed_config=doc.pack(StdoutAccessLog(
+                                            log_format=SubstitutionFormatString(
+                                                json_format=Struct.from_dict(ACCESS_LOG))))))
     buffer_limit = config.max_body_bytes + BUFFER_SLACK_BYTES
     inference = doc.explicit(Cluster(
         name="inference",

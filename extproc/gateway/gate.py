@@ -63,6 +63,7 @@ import functools
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -106,12 +107,14 @@ from extproc.tokens.estimate import prompt_tokens
 from extproc.tokens.pricing import Pricing, Uncounted
 
 if TYPE_CHECKING:
+    from extproc.decision.running import Running
     from extproc.fleet.capacity import CapacitySource
     from extproc.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 RESERVE_ATTEMPTS = 3  # decisions per request when other gateways keep taking the room
+ENDED_KEPT = 4096  # tickets whose end Envoy's access log may still correct (``Gate.left``)
 
 
 class Gate:
@@ -142,6 +145,8 @@ class Gate:
         self.leases = Leases(ledger, config.ledger, metrics, clock)
         self._labels = Tenants(config.tenant)  # tenant names -> bounded metric labels
         self.learning: dict[str, PoolLearning] = {p.name: learning_for(p) for p in config.pools}
+        # Tickets whose streams ended as completions, for a while: (pool, record, when)
+        self._ended: OrderedDict[str, tuple[str, Running, float]] = OrderedDict()
         self._learns_lengths: set[str] = set()  # pools fed by their engines' histogram
         self._forgotten_at = self._clock()
         self._reported: dict[tuple[str, int, int], Pool] = {}  # pools with engines' KV sizes
@@ -520,6 +525,10 @@ class Gate:
         now = self._clock()
         self.learning[ticket.pool].settled(ticket.running, completed=completed, now=now,
                                            key=ticket.request_id)
+        if completed:  # as far as the stream says: Envoy may tell otherwise (``left``)
+            self._ended[ticket.request_id] = (ticket.pool, ticket.running, now)
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
         for listener in self.listeners:
             listener.settled(ticket, completed)
         self.leases.drop(ticket)
@@ -529,6 +538,15 @@ class Gate:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(self.leases.release(ticket))
         self.holding.released(ticket.pool)  # capacity came back: a pass, if any is held
+
+    def left(self, request_id: str) -> None:
+        """Envoy's access log says the client of a request that ran here left before its
+        answer ended (``extproc.gateway.accesslog``); its stream's end read as a completion.
+        Its pool learns what the stream showed (``PoolLearning.abandoned``)."""
+        ended = self._ended.pop(request_id, None)
+        if ended is not None:
+            pool, running, at = ended
+            self.learning[pool].abandoned(running, at - running.started, at)
 
     async def heartbeat(self) -> None:
         """Renew the entries of every request running here (``Leases.heartbeat``). Raises

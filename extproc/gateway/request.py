@@ -45,6 +45,8 @@ behind vLLM, does not; TGI wants ``application/json``).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +75,9 @@ class InferenceRequest:
     ignore_eos: bool = False  # ... or all of ``max_tokens`` (``ignore_eos``)
     stream: bool = False
     prefill_only: bool = False
+    # A digest of the body (its retries are byte for byte the same: ``decision.retries``);
+    # never logged or exported.
+    fingerprint: str | None = field(default=None, repr=False, compare=False)
 
 
 def parse(api: Api, body: bytes, *, path: str = "") -> InferenceRequest:
@@ -80,8 +85,11 @@ def parse(api: Api, body: bytes, *, path: str = "") -> InferenceRequest:
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
     if api is Api.TGI_GENERATE:
-        return _tgi(doc, stream=canonical_path(path).endswith("_stream"))
-    return _READERS[api](doc)
+        request = _tgi(doc, stream=canonical_path(path).endswith("_stream"))
+    else:
+        request = _READERS[api](doc)
+    fingerprint = hashlib.blake2b(body, digest_size=16, person=b"extproc-retry").hexdigest()
+    return dataclasses.replace(request, fingerprint=f"{api.value}:{fingerprint}")
 
 
 def _reject_constant(name: str) -> Any:

@@ -14,9 +14,10 @@ Every answer we make ourselves has an OpenAI-style JSON error body and an
 ``x-admission-reason`` header. Bodies never quote the request.
 
 Every answer to a decided request, continue or not, also carries the verdict as Envoy dynamic
-metadata in ``ADMISSION_NAMESPACE`` (``with_verdict``: outcome, reason, pool, class; no
-tenant, nothing of the request's content), which Envoy's access log writes on the request's
-line (``envoyconf.ACCESS_LOG``).
+metadata in ``ADMISSION_NAMESPACE`` (``with_verdict``: outcome, reason, pool, class, and the
+ticket of a request that runs, a random id; no tenant, nothing of the request's content),
+which Envoy's access log writes on the request's line (``envoyconf.ACCESS_LOG``) and sends
+back with the entry of a request whose client left (``extproc.gateway.accesslog``).
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
 
 
 def with_verdict(response: pb.ProcessingResponse, outcome: str, reason: str,
-                 pool: str | None, service_class: str | None) -> pb.ProcessingResponse:
+                 pool: str | None, service_class: str | None,
+                 ticket: str | None = None) -> pb.ProcessingResponse:
     """``response`` with the verdict as dynamic metadata (module docstring)."""
-    fields = {"outcome": outcome, "reason": reason, "pool": pool, "class": service_class}
+    fields = {"outcome": outcome, "reason": reason, "pool": pool, "class": service_class,
+              "ticket": ticket}
     response.dynamic_metadata.fields[ADMISSION_NAMESPACE].struct_value.update(
         {k: v for k, v in fields.items() if v is not None})
     return response

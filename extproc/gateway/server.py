@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -89,6 +90,7 @@ from extproc.fleet.capacity import (
 )
 from extproc.fleet.enginestats import DESTINATION_KEY, DESTINATION_NAMESPACE, EngineStats, Targets
 from extproc.gateway import encoding, responses
+from extproc.gateway.accesslog import ClientsWhoLeft
 from extproc.gateway.gate import Gate
 from extproc.gateway.leases import HEARTBEATS_PER_LEASE
 from extproc.gateway.request import (
@@ -345,8 +347,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return self.gate.refuse(error, service_class, tenant)
 
     def _answer(self, verdict: Verdict) -> tuple[pb.ProcessingResponse, Verdict]:
+        ticket = verdict.ticket.request_id if verdict.ticket is not None else None
         return responses.with_verdict(self._response(verdict), verdict.outcome, verdict.reason,
-                                      verdict.pool, verdict.service_class), verdict
+                                      verdict.pool, verdict.service_class, ticket), verdict
 
     def _response(self, verdict: Verdict) -> pb.ProcessingResponse:
         if not verdict.blocks:
@@ -427,6 +430,8 @@ class Service:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=server_options(config.max_body_bytes))
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(ClientsWhoLeft(self.gate),
+                                                            self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.grpc_port = 0
         self.metrics_port = 0

@@ -304,7 +304,7 @@ class Simulation:
                   known_output_tokens=output if self.policy.clairvoyant else None,
                   tenant=tenant,
                   priority=priority_of(self.rules, job.service_class, tenant, job.priority),
-                  streaming=self.scenario.engine_aborts)
+                  streaming=self.scenario.engine_aborts, fingerprint=f"{id(job):x}")
         learning.arrived(job.service_class, batch, now, job.prompt_tokens, ask.groups)
         for g in ask.groups:
             res.tally(g).attempts += 1

@@ -172,7 +172,8 @@ class Pricing:
         """The request's ask with its texts priced at ``text_tokens``."""
         return Ask(service_class, prompt_tokens(request, pool, text_tokens), request.max_tokens,
                    request.choices, deadline_ms, request.prefill_only, streaming=request.stream,
-                   min_tokens=request.min_tokens, ignore_eos=request.ignore_eos)
+                   min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
+                   fingerprint=request.fingerprint)
 
     async def ask(self, request: InferenceRequest, pool: Pool, service_class: str,
                   deadline_ms: float | None, close: Callable[[Ask, Ask], bool]
