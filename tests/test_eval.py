@@ -253,9 +253,6 @@ GAPS = {
     ("priority", "tuned"): "0.93x the tuned limit (16, naive's)",
     ("noisy-neighbour", "naive"): "0.965x naive: fair shares keep room for the steady tenant"
                                   " that the burst could have used",
-    ("output-tail", "naive"): "0.991x naive: one answer in five cannot finish in time alone,"
-                              " and the level climbs a request at a time while a replica"
-                              " waits for compute",
     ("azure-conv", "naive"): "0.971x naive on a two-minute slice of the trace",
     ("flash-crowd", "attainment"): "98.1% (naive's 98.7%) at 1.05x naive's goodput",
     ("multi-turn", "naive"): "0.98x naive: the level climbs a request at a time while a"
