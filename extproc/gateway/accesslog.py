@@ -10,7 +10,10 @@ carries the dynamic metadata the verdict set (``responses.with_verdict``: its ``
 the gate tells the request's pool what its stream showed (``Gate.left``: how long its answer is
 at least, for its retry and the pool's lengths).
 
-Nothing else is read from an entry: it holds no request content, and none is kept.
+Nothing else is read from an entry (it carries the request's path and a few headers, never its
+body), and nothing of it is kept. The ticket is a random id that reaches no client (Envoy's
+stdout access log does not write it), so only what can reach the processor's port (Envoy, where
+``tls`` or a Unix socket guards it) can name one.
 """
 
 from __future__ import annotations
