@@ -1,4 +1,4 @@
-"""A retry is priced by what its last attempt showed (``extproc.decision.retries``): the gateway
+"""A retry is judged by what its last attempt showed (``extproc.decision.retries``): the gateway
 saw the request run, so one whose client left ``d`` seconds after it was admitted had about
 ``(d - ttft) / itl`` tokens at the speed the engines measured, and where that is more than the
 request's budget lets it write even alone, the same request sent again is infeasible."""
@@ -142,7 +142,7 @@ def doomed_admissions(monkeypatch: pytest.MonkeyPatch, shown: bool) -> tuple[flo
     """A quarter-length output-tail run on 8b-vllm at 0.8x (a fifth of the answers too long to
     finish in time even alone; clients wait 1.5-4 deadlines, then retry twice), simulated:
     the admitted attempts per job whose answer cannot finish in time alone, and the run's
-    attainment. ``shown``: retries are priced by what their last attempt showed."""
+    attainment. ``shown``: retries are judged by what their last attempt showed."""
     if not shown:
         monkeypatch.setattr(retries.Shown, "least", lambda *_: 0.0)
     sim = Simulation(families.draw("output-tail", 0, 0.8, "8b-vllm", 0.25).scenario,
@@ -163,8 +163,8 @@ def doomed_admissions(monkeypatch: pytest.MonkeyPatch, shown: bool) -> tuple[flo
 
 @pytest.mark.slow
 def test_a_doomed_request_is_not_run_again_and_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Priced fresh, an answer too long for its deadline ran on each of its client's retries;
-    priced by what it showed, mostly once, and the pool's attainment is no longer set by how
+    """Judged fresh, an answer too long for its deadline ran on each of its client's retries;
+    judged by what it showed, mostly once, and the pool's attainment is no longer set by how
     often the gateway let such retries in."""
     fresh, fresh_attainment = doomed_admissions(monkeypatch, shown=False)
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""A retry is priced by what its last attempt showed.
+"""A retry is judged by what its last attempt showed.
 
 A client that stops waiting for an answer sends the same request again: the OpenAI SDK retries a
 timed-out request twice by default, byte for byte. Priced as a fresh request (the pool's learned
@@ -6,7 +6,7 @@ lengths), the retry of an answer that cannot finish in time runs again, to the s
 twice more: on an output tail (a fifth of the answers too long for their deadline even alone,
 clients waiting 1.5-4x the deadline) such retries were most of what missed, and the pool's
 attainment was set by how often the gateway let them in, not by its load
-(``docs/admission.md``, "A retry priced by what its last attempt showed").
+(``docs/admission.md``, "A retry judged by what its last attempt showed").
 
 But the gateway saw that request run: its client left ``d`` seconds after it was admitted, so,
 at the first-token time and inter-token latency the engines measured then
