@@ -5,6 +5,7 @@ import dataclasses
 import math
 import random
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ from extproc.decision.step import Ask, admit, priority_of
 from extproc.fleet.enginestats import Correction
 from extproc.sim import policies
 from extproc.sim.families import draw
-from extproc.sim.run import simulate
+from extproc.sim.run import Simulation, simulate
 
 
 @pytest.mark.parametrize(("raw", "level"), [
@@ -207,10 +208,10 @@ def noisy(fleet: str, load: float) -> tuple[float, float, float, float]:
 
 
 NOISY_GAPS = {  # measured: A's goodput during the burst / alone
-    ("8b-vllm", 1.5): "A keeps 0.70x: on a 1024-sequence fleet the deadline bounds the batch,"
+    ("8b-vllm", 1.5): "A keeps 0.66x: on a 1024-sequence fleet the deadline bounds the batch,"
                       " and the limit it sets swings with the learned prompt mean",
-    ("70b-vllm", 1.5): "A keeps 0.86x at 89.6% attainment, and the pool 0.68x its goodput"
-                       " without tenants on this half-length run (KV- and deadline-bound)",
+    ("70b-vllm", 1.5): "A keeps 0.96x, at 95.2% attainment on this half-length run (KV- and"
+                       " deadline-bound)",
 }
 
 
@@ -227,6 +228,30 @@ def test_a_steady_tenant_keeps_its_goodput_through_a_neighbour_s_burst(
     assert total >= 0.95  # fairness costs the pool little
     assert attainment >= 0.99
     assert kept >= 0.95
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [3, 4])
+def test_tenants_share_what_measurement_allows_not_a_cold_model_s_room(seed: int) -> None:
+    """Two tenants at a third of a 16-slot fleet each before a burst, on a fresh gateway whose
+    model admits ~14 requests while the measured level allows ~35 and the slots 64: shared out
+    of the model's room, each tenant read over its share and kept room for the other's
+    expected arrivals (260-330 places), so both were refused with the pool at 12-14 requests
+    for the first 20 s: 0.75x naive's goodput, 301 and 594 refusals for the fair share while
+    fewer than half the slots were busy before the burst. Shared out of the lesser of the level
+    and the slots: 0.98-0.99x naive's, 20 and 31 such refusals (the level's own cold start)."""
+    drawn = draw("noisy-neighbour", seed, 3.0, "70b-16", 1.0)
+    idle_refusals = []
+
+    def hook(job: Any, snapshot: Snapshot, adm: Any) -> None:
+        if (job.arrival_s < drawn.params["burst_from_s"] and adm.reason is Reason.FAIR_SHARE
+                and snapshot.inflight < 32):
+            idle_refusals.append(job.arrival_s)
+
+    shared = Simulation(drawn.scenario, policies.make("default"), on_decision=hook).run()
+    naive = simulate(drawn.scenario, policies.make("naive"))
+    assert shared.goodput >= 0.97 * naive.goodput
+    assert len(idle_refusals) < 100
 
 
 def served(fleet: str, load: float) -> dict[int, tuple[float, float]]:

@@ -7,11 +7,14 @@ the step, ``extproc.decision.step``, calls these after ``decide`` admitted).
 - ``room_for_others``: an admitted request of a lower priority, or of a tenant over its share
   of a contended pool, must still fit after the headroom kept for the traffic it must not crowd
   out (refused ``PRIORITY`` or ``FAIR_SHARE``); otherwise its ledger checks are tightened by
-  that room. Shares are of what the model admits: shared out of the measured level instead,
-  a steady tenant kept 0.50x its goodput alone beside a neighbour's burst on 70b-16 at 1.5x
-  and 0.15x at 3x (the burst's refusals leave room the level probes). A tenant over its share
-  may use the measured level (``extproc.decision.level``) past the model like any other once
-  the room for the tenants under theirs is kept (measured: the steady tenant keeps all of its
+  that room. Shares are of what the model admits, or of the lesser of the measured level and
+  the slots where both allow more: shared out of the level alone, a steady tenant kept 0.50x
+  its goodput alone beside a neighbour's burst on 70b-16 at 1.5x and 0.15x at 3x (the burst's
+  refusals leave room the level probes, past the slots); out of the model's alone, a cold
+  start's strict model held two tenants to 12-14 requests of 64 slots for half a minute, each
+  keeping room for the other (``room_for_others``). A tenant over its share may use the
+  measured level (``extproc.decision.level``) past the model like any other once the room for
+  the tenants under theirs is kept (measured: the steady tenant keeps all of its
   goodput at 3x where it kept 0.85x when only tenants within their share could, and a
   1024-sequence pool serves 1.14-1.23x more in time beside a burst).
 - ``admission_limit``: the most requests the pool holds while one like this is still admitted,
@@ -117,11 +120,19 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     seen_n = math.floor(learning.level.level_ms * capacity.replicas / max(mean_ms, 1e-9))
     model = admission_limit(cost, snapshot, capacity, policy, now, learning.limit.mean)
     limit = max(model, seen_n)  # the model's, or what was measured (``extproc.decision.level``)
-    # Shares of what the model admits: the measured level, which may be higher, is probed by
-    # whoever asks, and a burst asks most (it would be nobody's over-share). ``under``: the
-    # tenants under their share this one must leave room for (None: it is within its own).
-    under = (_under_their_share(tenant, decision, scene, model * mean_ms, mean_ms)
-             if tenant is not None and several else None)
+    # ``under``: the tenants under their share this one must leave room for (None: it is
+    # within its own). Shares of the model's limit, or of the lesser of the measured level and
+    # the pool's slots where both are above it. Not of the level alone: past the slots (a
+    # 16-slot fleet's level runs to 1.5x them) a burst would be nobody's over-share while the
+    # engines queue it. Not of the model alone: where it is stricter than measurement (a cold
+    # start's prior), the pool holds its room's worth, every tenant reads over its share and
+    # keeps room for the others' expected arrivals, more places than the pool has: all refused,
+    # the level and the slots far above (docs/admission.md, "The fair share's room").
+    under = None
+    if tenant is not None and several:
+        slots = capacity.replicas * capacity.batch_with(snapshot, cost)
+        room = max(model, min(limit, slots)) * mean_ms
+        under = _under_their_share(tenant, decision, scene, room, mean_ms)
     protected += under or []
     if not protected:
         return None, limit
@@ -150,8 +161,8 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
 
 def _under_their_share(tenant: str, decision: Decision, scene: Scene, room: float,
                        mean_ms: float) -> list[str] | None:
-    """None when ``tenant`` is within its weighted max-min share of ``room``, the work the
-    pool holds at its admission limit (requests of ``mean_ms`` each); otherwise the groups of
+    """None when ``tenant`` is within its weighted max-min share of ``room``, the work tenants
+    share (``room_for_others``; requests of ``mean_ms`` each); otherwise the groups of
     the other tenants holding less than theirs, whose expected arrivals it must leave room
     for. A tenant's demand is its
     outstanding work, or what its arrivals keep in flight (Little's law), whichever is more:
