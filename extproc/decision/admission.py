@@ -280,6 +280,10 @@ class Capacity:
     def slots(self) -> int:
         return self.replicas * self.batch
 
+    def slots_with(self, snapshot: Snapshot, cost: Cost) -> int:
+        """The pool's sequences at once for this decision (``batch_with`` on every replica)."""
+        return self.replicas * self.batch_with(snapshot, cost)
+
     def step_ms(self, batch: float) -> float:
         """A decode step of ``batch`` sequences in a busy replica (docstring: ``step``)."""
         mix, e = self.mix, self.engine

@@ -130,8 +130,7 @@ def room_for_others(tenant: str | None, priority: int, cost: Cost, decision: Dec
     # the level and the slots far above (docs/admission.md, "The fair share's room").
     under = None
     if tenant is not None and several:
-        slots = capacity.replicas * capacity.batch_with(snapshot, cost)
-        room = max(model, min(limit, slots)) * mean_ms
+        room = max(model, min(limit, capacity.slots_with(snapshot, cost))) * mean_ms
         under = _under_their_share(tenant, decision, scene, room, mean_ms)
     protected += under or []
     if not protected:

@@ -290,7 +290,7 @@ def measured(decision: Decision, cost: Cost, snapshot: Snapshot, capacity: Capac
         return dataclasses.replace(
             decision, outcome=Outcome.ADMIT, reason=Reason.IDLE, retry_after_ms=None,
             ceiling_ms=None, max_inflight=None)
-    free = replicas * capacity.batch_with(snapshot, cost)
+    free = capacity.slots_with(snapshot, cost)
     work = snapshot.outstanding_ms + decision.charge_ms
     room = level.level_ms * replicas * min(1.0, max(0.0, left))
     within_level = (replicas > 0 and work <= room
