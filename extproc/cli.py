@@ -156,7 +156,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     try:
         chosen = evaluate.Selection(names(args.families), names(args.fleets), args.loads,
-                                    args.seeds, args.reduced)
+                                    args.seeds, args.reduced, args.size)
         return evaluate.main(chosen, scale=args.autoscale,
                              policies=names(args.policies) or evaluate.POLICIES,
                              workers=args.jobs, out=args.out, progress=not args.quiet)
@@ -398,6 +398,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the autoscaling section instead: recommender vs hpa vs keda")
     v.add_argument("--jobs", type=_whole, default=0, help="worker processes (0: one per core)")
     v.add_argument("--seeds", type=_count, default=1, help="seeds per family, load and fleet")
+    v.add_argument("--size", type=_positive, default=1.0,
+                   help="each run's request budget times this, never past its family's nominal"
+                   " length (8: most runs at that length)")
     v.add_argument("--out", default="out/eval", help="folder for matrix.json/.txt/.png")
     v.add_argument("--families", help="comma-separated (default: all with their data)")
     v.add_argument("--fleets", help="comma-separated: 70b-16, 70b-vllm, 8b-vllm")

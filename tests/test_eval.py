@@ -201,6 +201,28 @@ def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert cli.main(["eval", "--families", "nope", "--quiet"]) == 2
 
 
+def test_size_scales_each_run_up_to_its_family_s_nominal_length(tmp_path: Path) -> None:
+    """``--size``: each run's request budget scaled; a run never outgrows its family's
+    nominal length, so a large size runs the nominal length (where a latch would show)."""
+    spans = {}
+    for size in ("0.25", "100"):
+        out = tmp_path / size
+        assert cli.main(["eval", "--families", "priority", "--fleets", "70b-16", "--loads",
+                         "1.5", "--policies", "naive,default", "--size", size, "--jobs", "1",
+                         "--quiet", "--out", str(out)]) == 0
+        data = json.loads((out / "matrix.json").read_text())
+        [cell] = data["cells"]
+        assert data["size"] == cell["size"] == float(size)
+        spans[size] = (cell["span_s"], 60.0 * cell["params"]["nominal_min"])
+    (short, nominal), (long, same) = spans["0.25"], spans["100"]
+    assert nominal == same
+    assert long == pytest.approx(nominal, rel=1e-3)
+    assert short < nominal / 2
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error, naming the flag
+        cli.main(["eval", "--size", "0", "--quiet"])
+    assert refused.value.code == 2
+
+
 def test_an_autoscaled_run_reports_goodput_and_replica_minutes() -> None:
     run = evaluate.ScaleRun("flash-crowd", 0, "70b-16", "keda", size=0.3)
     row = evaluate.run_scaled(run)

@@ -509,13 +509,17 @@ def autoscale_table(rows: Sequence[Record]) -> str:
 class Selection:
     """Which cells ``extproc eval`` runs: the families (None: every one), the fleets (None:
     every one; the reduced matrix and the autoscaling section take the first given), the
-    loads (None: ``LOADS``) and seeds; ``reduced``: one small cell per family."""
+    loads (None: ``LOADS``) and seeds; ``reduced``: one small cell per family; ``size``: each
+    run's request budget scaled (``extproc.sim.families``, "Size": a run never outgrows its
+    family's nominal length, so a large size runs each at that length, where a controller
+    that latches shows it)."""
 
     families: Sequence[str] | None = None
     fleets: Sequence[str] | None = None
     loads: Sequence[float] | None = None
     seeds: int = 1
     reduced: bool = False
+    size: float = 1.0
 
 
 EVERY_CELL = Selection()
@@ -561,16 +565,18 @@ def main(selection: Selection = EVERY_CELL, *, scale: bool = False,
             stream.write(f"wrote {Path(out) / 'autoscale.json'}\n")
         return 0
     if reduced:
-        todo = [Cell(f, REDUCED_LOAD, 0, (fleets or [REDUCED_FLEET])[0], REDUCED_SIZE)
-                for f in chosen]
+        todo = [Cell(f, REDUCED_LOAD, 0, (fleets or [REDUCED_FLEET])[0],
+                     REDUCED_SIZE * selection.size) for f in chosen]
     else:
-        todo = cells(chosen, loads or LOADS, seeds, fleets or list(families.FLEETS))
+        todo = cells(chosen, loads or LOADS, seeds, fleets or list(families.FLEETS),
+                     selection.size)
     records = matrix(todo, policies, workers=workers, progress=progress)
     elapsed = time.monotonic() - started
     text = table(records) + "\n\n" + summary_text(summary(records), elapsed, workers)
     stream.write(text + "\n")
     if out is not None:
-        meta = {"reduced": reduced, "seeds": seeds, "loads": list(loads or LOADS),
+        meta = {"reduced": reduced, "seeds": seeds, "size": selection.size,
+                "loads": list(loads or LOADS),
                 "policies": list(policies), "workers": workers,
                 "elapsed_s": round(elapsed, 1)}
         for path in write(records, out, meta, text):
