@@ -399,8 +399,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--jobs", type=_whole, default=0, help="worker processes (0: one per core)")
     v.add_argument("--seeds", type=_count, default=1, help="seeds per family, load and fleet")
     v.add_argument("--size", type=_positive, default=1.0,
-                   help="each run's request budget times this, never past its family's nominal"
-                   " length (8: most runs at that length)")
+                   help="each run's request budget times this (the autoscaling section's too),"
+                   " never past its family's nominal length (8: most runs at that length)")
     v.add_argument("--out", default="out/eval", help="folder for matrix.json/.txt/.png")
     v.add_argument("--families", help="comma-separated (default: all with their data)")
     v.add_argument("--fleets", help="comma-separated: 70b-16, 70b-vllm, 8b-vllm")

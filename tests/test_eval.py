@@ -223,6 +223,19 @@ def test_size_scales_each_run_up_to_its_family_s_nominal_length(tmp_path: Path) 
     assert refused.value.code == 2
 
 
+def test_size_scales_the_autoscaling_section_s_runs_too(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    runs: list[evaluate.ScaleRun] = []
+
+    def collect(fn: Any, todo: list[evaluate.ScaleRun], *rest: Any) -> list[Any]:
+        runs.extend(todo)
+        return []
+
+    monkeypatch.setattr(evaluate, "_pool_map", collect)
+    evaluate.autoscale(["diurnal"], 1, autoscalers=("hpa",), size=0.5)
+    assert [r.size for r in runs] == [evaluate.AUTOSCALE_SIZE * 0.5]
+
+
 def test_an_autoscaled_run_reports_goodput_and_replica_minutes() -> None:
     run = evaluate.ScaleRun("flash-crowd", 0, "70b-16", "keda", size=0.3)
     row = evaluate.run_scaled(run)

@@ -485,9 +485,12 @@ def run_scaled(run: ScaleRun) -> Record:
 def autoscale(family_names: Sequence[str] = families.TIME_VARYING, seeds: int = 1,
               fleet: str = AUTOSCALE_FLEET,
               autoscalers: Sequence[str] = autoscaler_mod.AUTOSCALERS, *, workers: int = 0,
-              progress: bool = True, policies: Sequence[str] = ("default",)) -> list[Record]:
-    runs = [ScaleRun(f, s, fleet, a, policy=p) for f in family_names for s in range(seeds)
-            for a in autoscalers for p in policies]
+              progress: bool = True, policies: Sequence[str] = ("default",),
+              size: float = 1.0) -> list[Record]:
+    """The autoscaling section's runs (``size`` scales their request budget, as the
+    matrix's)."""
+    runs = [ScaleRun(f, s, fleet, a, size=AUTOSCALE_SIZE * size, policy=p) for f in family_names
+            for s in range(seeds) for a in autoscalers for p in policies]
     workers = workers or os.cpu_count() or 1
     return _pool_map(run_scaled, runs, min(workers, len(runs)) or 1, "autoscale", progress)
 
@@ -555,7 +558,7 @@ def main(selection: Selection = EVERY_CELL, *, scale: bool = False,
         # shows what holding costs in replicas
         scaled = [p for p in policies if p in ("default", "defer")]
         rows = autoscale(timed, seeds, fleet, workers=workers, progress=progress,
-                         policies=scaled)
+                         policies=scaled, size=selection.size)
         text = autoscale_table(rows)
         stream.write(text + f"\nelapsed: {time.monotonic() - started:.0f} s with {workers}"
                      " worker(s)\n")
