@@ -23,17 +23,15 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 
-from extproc.decision.step import capacity_for
+from extproc.decision.admission import Snapshot
+from extproc.decision.step import Admission, capacity_for
 from extproc.sim import families, policies
+from extproc.sim.result import quantile
 from extproc.sim.run import Simulation
+from extproc.sim.workload import Job
 
 CELLS = ("multi-turn/70b-vllm/0.8/0", "priority/70b-vllm/0.8/0", "bimodal/70b-vllm/1.5/2",
          "class-mix/70b-vllm/0.8/0")
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))]
 
 
 def refusals(cell: str) -> dict[str, list[tuple[float, float]]]:
@@ -44,7 +42,7 @@ def refusals(cell: str) -> dict[str, list[tuple[float, float]]]:
     sim: Simulation | None = None
     seen: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
-    def record(job, snapshot, admission) -> None:  # type: ignore[no-untyped-def]
+    def record(job: Job, snapshot: Snapshot, admission: Admission) -> None:
         decision = admission.decision
         if admission.runs or decision is None or sim is None:
             return

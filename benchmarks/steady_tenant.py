@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 
 from extproc.sim import families, policies
-from extproc.sim.run import Simulation
+from extproc.sim.run import simulate
 from extproc.sim.scenarios import Scenario
 
 Cell = tuple[str, float, int, float]
@@ -34,24 +34,9 @@ Cell = tuple[str, float, int, float]
 def served(scenario: Scenario, start_s: float, end_s: float) -> tuple[int, int]:
     """Tenant ``a``'s jobs arriving in ``[start_s, end_s)``: how many were served in time on
     any attempt, and how many within their deadline of their first attempt."""
-    sim = Simulation(scenario, policies.make("default"))
-    finish = sim._finish
-    good: dict[int, float] = {}
-
-    def record(done: list) -> None:  # type: ignore[type-arg]
-        for attempt in done:
-            if attempt.finished_at >= 0.0 and attempt.good:
-                good[id(attempt.job)] = attempt.finished_at
-        finish(done)
-
-    sim._finish = record  # type: ignore[method-assign]
-    sim.run()
-    jobs = [j for j in scenario.jobs if j.tenant == "a" and start_s <= j.arrival_s < end_s]
-    deadline_s = {name: c.deadline_ms / 1000.0 for name, c in scenario.config.classes.items()}
-    anytime = sum(1 for j in jobs if id(j) in good)
-    first = sum(1 for j in jobs if id(j) in good
-                and good[id(j)] - j.arrival_s <= deadline_s[j.service_class])
-    return anytime, first
+    good = simulate(scenario, policies.make("default")).tally("t:a").good_jobs
+    inside = [first for arrival, first in good if start_s <= arrival < end_s]
+    return len(inside), sum(inside)
 
 
 def kept(cell: Cell) -> tuple[float, float]:

@@ -65,3 +65,21 @@ def test_refusing_while_a_replica_is_idle_is_counted_in_seconds_of_the_run() -> 
                                              for j in sc.jobs])
     refused = simulate(hopeless, RefuseAll(name="refuse-all"))
     assert refused.rejected >= len(arrived) and refused.refused_idle_s == 0
+
+
+def test_a_job_served_on_a_retry_past_its_first_deadline_is_good_but_not_first() -> None:
+    """``Tally.good_jobs``: each good job's arrival, and whether its answer came within the
+    deadline of its first attempt. A steady tenant refused during a neighbour's burst and
+    served on a retry is good, not first; on a lightly loaded fleet nothing is refused, and
+    every good job is first."""
+    from extproc.sim import families, policies
+    from extproc.sim.run import simulate
+
+    burst = simulate(families.draw("noisy-neighbour", 0, 3.0, "70b-16", 0.5).scenario,
+                     policies.make("default")).tally("t:a")
+    assert len(burst.good_jobs) == burst.good
+    assert 0 < sum(first for _, first in burst.good_jobs) < burst.good
+    light = simulate(families.draw("diurnal", 0, 0.3, "70b-16", 0.1).scenario,
+                     policies.make("naive"))
+    good = [first for tally in light.groups.values() for _, first in tally.good_jobs]
+    assert good and all(good)

@@ -35,7 +35,9 @@ class Tally:
     rejected: int = 0
     good: int = 0
     good_in_span: int = 0
-    good_arrivals: list[float] = field(default_factory=list, repr=False)  # its jobs' arrivals
+    # its good attempts' jobs: (arrival, whether the answer came within the deadline of the
+    # job's first attempt, not only of the attempt that was served)
+    good_jobs: list[tuple[float, bool]] = field(default_factory=list, repr=False)
 
     @property
     def attainment(self) -> float:
@@ -43,7 +45,7 @@ class Tally:
 
     def goodput_between(self, start_s: float, end_s: float) -> float:
         """Completions in time a second, of the jobs that arrived in ``[start_s, end_s)``."""
-        inside = sum(1 for t in self.good_arrivals if start_s <= t < end_s)
+        inside = sum(1 for t, _ in self.good_jobs if start_s <= t < end_s)
         return inside / (end_s - start_s) if end_s > start_s else 0.0
 
 

@@ -587,7 +587,8 @@ class Simulation:
                         res.good_in_span += 1
                     for g in a.groups:
                         res.tally(g).good += 1
-                        res.tally(g).good_arrivals.append(a.job.arrival_s)
+                        res.tally(g).good_jobs.append(
+                            (a.job.arrival_s, a.finished_at - a.job.arrival_s <= a.deadline_s))
                         if a.finished_at <= res.span_s:
                             res.tally(g).good_in_span += 1
                     res.jobs_good += 1
