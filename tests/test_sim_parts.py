@@ -1,9 +1,13 @@
 """The simulator's small parts: the HPA baseline and the SDK-like clients."""
 
+import dataclasses
 import random
 
+from extproc.decision.admission import Reason
+from extproc.sim import families, policies
 from extproc.sim.autoscaler import HpaUtilization, Observation
 from extproc.sim.clients import ClientModel
+from extproc.sim.run import simulate
 
 
 def obs(now: float, ready: int, load: float, starting: int = 0) -> Observation:
@@ -44,12 +48,6 @@ def test_refusing_while_a_replica_is_idle_is_counted_in_seconds_of_the_run() -> 
     nearly every second it is asked; slot counting on a lightly loaded fleet never does; and
     refusing requests that no idle replica could serve in time (a deadline of 50 ms) is not
     work lost."""
-    import dataclasses
-
-    from extproc.decision.admission import Reason
-    from extproc.sim import families, policies
-    from extproc.sim.run import simulate
-
     class RefuseAll(policies.NaiveSlots):
         def decide(self, cost, true_output, snapshot, capacity, policy, now, view):  # type: ignore[no-untyped-def]
             admit = policies._admit(cost, capacity, policy, now)
@@ -72,9 +70,6 @@ def test_a_job_served_on_a_retry_past_its_first_deadline_is_good_but_not_first()
     deadline of its first attempt. A steady tenant refused during a neighbour's burst and
     served on a retry is good, not first; on a lightly loaded fleet nothing is refused, and
     every good job is first."""
-    from extproc.sim import families, policies
-    from extproc.sim.run import simulate
-
     burst = simulate(families.draw("noisy-neighbour", 0, 3.0, "70b-16", 0.5).scenario,
                      policies.make("default")).tally("t:a")
     assert len(burst.good_jobs) == burst.good
