@@ -14,6 +14,7 @@ from extproc.decision.admission import (
     Outcome,
     Policy,
     Reason,
+    Reported,
     Snapshot,
     decide,
     release_quantile,
@@ -167,6 +168,53 @@ def test_the_kv_cache_bounds_the_batch_before_max_num_seqs_does() -> None:
     slots = Capacity(replicas=1, engine=dataclasses.replace(kv, max_num_seqs=2), mix=MIX)
     queued = decide(cost, Snapshot(2, 200.0, 2 * 200), slots, LONG, now=0.0)
     assert queued.admitted and queued.position == 1 and queued.wait_ms > 0
+
+
+def test_the_kv_cache_the_engines_report_free_decides_before_the_mean_footprint() -> None:
+    # Four replicas of 800 KV tokens; eight 350-token documents in flight. Their mean
+    # footprint (with a 100-token request: 322) makes two whole slots a replica, eight in
+    # all, so by the mean a ninth request waits for memory; but even the fullest replica
+    # reports 450 tokens free, 400 once its one request in flight writes what one holds of
+    # its answer (50 tokens, as this one's footprint counts it).
+    kv = dataclasses.replace(ENGINE, max_num_seqs=64, num_gpu_blocks=50)  # 800 tokens
+    blind = Capacity(replicas=4, engine=kv, mix=Mix(prompt_tokens=300.0, output_tokens=50.0))
+    docs = Snapshot(8, 800.0, 8 * 350)
+    small = Cost(50, 50, 50.0, 50.0)  # 100 KV tokens
+    assert int(800 / ((8 * 350 + small.kv) / 9)) == 2
+    assert blind.batch_with(docs, small) == 2
+    assert decide(small, docs, blind, LONG, now=0.0).reason is Reason.KV_CACHE
+    seen = dataclasses.replace(blind, reported=Reported(450.0, 600.0, requests=1))
+    assert seen.batch_with(docs, small) == 3  # nine, spread over four
+    fits = decide(small, docs, seen, LONG, now=0.0)
+    assert fits.admitted and fits.position <= 0
+    # what the answers there will still write, and prompts admitted but not prefilled yet,
+    # are not free: refused for memory as before
+    busy = dataclasses.replace(blind, reported=Reported(450.0, 450.0, requests=8))
+    assert decide(small, docs, busy, LONG, now=0.0).reason is Reason.KV_CACHE
+    backlog = dataclasses.replace(docs, prefill_tokens=400.0)
+    assert seen.batch_with(backlog, small) == 2
+    # one larger than a replica's share of what the ledger leaves free (800 - 2,800 / 4)
+    large = Cost(150, 50, 50.0, 50.0)  # 200 KV tokens
+    assert seen.batch_with(docs, large) == 2
+    assert decide(large, docs, seen, LONG, now=0.0).reason is Reason.KV_CACHE
+    # And the other way: six short prompts in flight leave five whole slots of their mean a
+    # replica, but not even the emptiest replica has room for this one's prompt (traffic the
+    # ledger does not see, or answers longer than it holds): refused for memory, not sent to
+    # wait there.
+    six = Snapshot(6, 600.0, 6 * 150)
+    assert blind.batch_with(six, large) == 5
+    assert decide(large, six, blind, LONG, now=0.0).admitted
+    full = dataclasses.replace(blind, reported=Reported(100.0, 140.0, requests=1))
+    assert full.batch_with(six, large) == 0
+    assert decide(large, six, full, LONG, now=0.0).reason is Reason.KV_CACHE
+    # ... an empty ledger too (the engines hold what it never saw)
+    assert decide(large, Snapshot(0, 0.0), full, LONG, now=0.0).reason is Reason.KV_CACHE
+    assert decide(large, dataclasses.replace(six, prefill_tokens=100.0),
+                  dataclasses.replace(blind, reported=Reported(100.0, 240.0, requests=1)),
+                  LONG, now=0.0).reason is Reason.KV_CACHE  # 150 > 240 - 100 not prefilled
+    # between the fullest and the emptiest, the mean's slots decide
+    some = dataclasses.replace(blind, reported=Reported(100.0, 240.0, requests=1))
+    assert some.batch_with(six, large) == 5
 
 
 def test_a_burst_of_prompts_not_prefilled_yet_delays_the_first_token() -> None:

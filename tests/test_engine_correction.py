@@ -23,7 +23,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import config
-from extproc.decision.admission import Snapshot
+from extproc.decision.admission import Outcome, Reason, Snapshot
 from extproc.errors import ConfigError
 from extproc.fleet.capacity import StaticCapacity
 from extproc.fleet.enginestats import EngineStats
@@ -362,6 +362,129 @@ async def test_the_kv_cache_the_engines_report_bounds_the_batch(tmp_path: Path) 
         for v in (*first, third):
             if v.ticket is not None:
                 await gate.settle(v.ticket)
+        await stats.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_request_that_fits_the_cache_its_engines_report_free_is_admitted(
+        tmp_path: Path) -> None:
+    # Two replicas of 100 blocks (1,600 KV tokens each) and four long prompts in flight, each
+    # about 730 tokens: whole slots of their mean footprint are two a replica, four in all,
+    # so by the mean a short fifth request waits for memory (refused: kv_cache). The engines
+    # have been sent none of them, so once scraped they report their caches free, and
+    # the short one fits where it goes (Capacity.fits_reported).
+    procs, targets = [], []
+    for i in range(2):
+        port = free_port()
+        procs.append(Process(f"kv-{i}", [sys.executable, "-m", "extproc", "fake-backend",
+                                         "--port", str(port), "--max-num-seqs", "64",
+                                         "--num-gpu-blocks", "100"], tmp_path))
+        targets.append(f"127.0.0.1:{port}")
+    try:
+        for t in targets:
+            wait_http(f"http://{t}/health", proc=procs[targets.index(t)].popen)
+        pool = {"name": "llama", "replicas": 2,
+                "engine": {"max_num_seqs": 64, "num_gpu_blocks": 100},
+                "engine_metrics": {"targets": targets, **FAST}}
+        cfg = config.from_mapping({"pools": [pool], "classes": {
+            "latency": {"deadline_ms": 600_000}}})
+        stats = EngineStats({"llama": targets}, timeout_s=0.5)
+        gate = Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), Metrics(),
+                    engines={"llama": stats})
+        route = cfg.route("/v1/chat/completions")
+        assert route is not None
+
+        def ask(words: int) -> bytes:
+            return json.dumps({"model": "m", "max_tokens": 1, "messages": [
+                {"role": "user", "content": "word " * words}]}).encode()
+
+        async def footprint(words: int) -> int:
+            v = await gate.check(route, route.path, {}, ask(words))
+            assert v.admission is not None and v.ticket is not None
+            await gate.settle(v.ticket)
+            return v.admission.kv_tokens
+
+        short = await footprint(1)
+        at_100, at_600 = await footprint(100), await footprint(600)
+        # the window where the mean's whole slots refuse it but the ledger's share holds it:
+        # 2 x 1,600 x 5 / 6 < K + short, and K + 2 x short <= 3,200
+        target = ((3200 * 5 / 6 - short) + (3200 - 2 * short)) / 2 / 4
+        words = round(100 + (target - at_100) * 500 / (at_600 - at_100))
+        long = [await gate.check(route, route.path, {}, ask(words)) for _ in range(4)]
+        held = sum(v.admission.kv_tokens for v in long if v.admission is not None)
+        assert 3200 * 5 / 6 < held + short <= 3200 - 2 * short, (held, short)
+        blind = await gate.check(route, route.path, {}, ask(1))
+        assert blind.admission is not None and blind.admission.reason is Reason.KV_CACHE
+        await stats.scrape("llama")
+        assert stats.latest("llama").kv_usage_max == 0.0
+        # the prompts admitted but not prefilled yet are not free either: they drain at the
+        # fleet's prefill rate, well within a second here
+        await asyncio.sleep(1.0)
+        seen = await gate.check(route, route.path, {}, ask(1))
+        assert seen.admission is not None and seen.admission.outcome is Outcome.ADMIT
+        for v in (*long, seen):
+            if v.ticket is not None:
+                await gate.settle(v.ticket)
+        await stats.close()
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+async def test_a_prompt_no_replica_reports_room_for_is_refused_for_memory(
+        tmp_path: Path) -> None:
+    # One replica of 100 blocks (1,600 KV tokens). A 1,200-token document sent to the engine
+    # itself holds three quarters of its cache; the ledger never hears of it. A 600-token
+    # prompt fits whole slots of the ledger's (empty) mean, but not what the engine reports
+    # free: refused for memory, and admitted again once the document is gone.
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    proc = Process("full-kv", [sys.executable, "-m", "extproc", "fake-backend", "--port",
+                               str(port), "--max-num-seqs", "64", "--num-gpu-blocks", "100"],
+                   tmp_path)
+    try:
+        wait_http(f"http://{addr}/health", proc=proc.popen)
+        pool = {"name": "llama", "replicas": 1,
+                "engine": {"max_num_seqs": 64, "num_gpu_blocks": 100},
+                "engine_metrics": {"targets": [addr], **FAST}}
+        cfg = config.from_mapping({"pools": [pool], "classes": {
+            "latency": {"deadline_ms": 600_000}}})
+        stats = EngineStats({"llama": [addr]}, timeout_s=0.5)
+        gate = Gate(cfg, MemoryLedger(), StaticCapacity(cfg.pools), Metrics(),
+                    engines={"llama": stats})
+        route = cfg.route("/v1/chat/completions")
+        assert route is not None
+        prompt = json.dumps({"model": "m", "max_tokens": 100, "messages": [
+            {"role": "user", "content": "x" * 2400}]}).encode()
+
+        async def usage() -> float:
+            await stats.scrape("llama")
+            return stats.latest("llama").kv_usage_max or 0.0
+
+        doc = {"model": "m", "messages": [{"role": "user", "content": "x" * 4800}],
+               "max_tokens": 300, "extproc_output_tokens": 300}
+        async with aiohttp.ClientSession() as client:
+            call = asyncio.create_task(client.post(f"http://{addr}/v1/chat/completions",
+                                                   json=doc))
+            try:
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10.0
+                while await usage() < 0.75:
+                    assert loop.time() < deadline, "the document never filled the cache"
+                    await asyncio.sleep(0.05)
+                full = await gate.check(route, route.path, {}, prompt)
+                assert full.admission is not None and full.ticket is None
+                assert full.admission.reason is Reason.KV_CACHE
+                assert full.admission.retry_after_ms is not None
+            finally:
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+        await until(usage, 0.0)
+        free = await gate.check(route, route.path, {}, prompt)
+        assert free.admission is not None and free.admission.outcome is Outcome.ADMIT
+        if free.ticket is not None:
+            await gate.settle(free.ticket)
         await stats.close()
     finally:
         proc.stop()

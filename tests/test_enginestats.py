@@ -10,14 +10,18 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.decision.admission import Snapshot
+from extproc.decision.admission import Reported, Snapshot
 from extproc.decision.level import waits_for_compute
+from extproc.decision.step import reported
+from extproc.fleet.engine import LLAMA_8B_1XH100
 from extproc.fleet.enginestats import (
+    Correction,
     EngineSample,
     EngineStats,
     PoolStats,
     aggregate,
     correction,
+    kv_reported,
     parse,
     speed_since,
     timing_increase,
@@ -130,6 +134,31 @@ def test_a_replica_waits_for_compute_only_with_a_free_slot_and_kv_room() -> None
                                  1_000_000, need)
     # ... also where the configuration leaves the cache unbounded (0)
     assert not waits_for_compute(EngineSample(2, 10, 0.9, kv_blocks=(1000, 16)), 256, 0, need)
+
+
+def test_the_kv_cache_a_request_may_go_to_is_what_the_engines_reported_free() -> None:
+    """``Capacity.reported`` (``extproc.decision.admission``): the replica an endpoint picker
+    named, its own report; else the fullest and the emptiest fresh replicas' free cache
+    (their usage of the smallest cache), beside a replica's mean of requests."""
+    assert kv_reported(EngineSample(1, 3, 0.25, kv_blocks=(1000, 16)), 0) == \
+        Reported(12_000.0, 12_000.0, 4)
+    assert kv_reported(EngineSample(1, 3, 0.25), 8_000) == Reported(6_000.0, 6_000.0, 4)
+    assert kv_reported(EngineSample(1, 3, None), 8_000) is None  # (no usage reported)
+    assert kv_reported(EngineSample(1, 3, 0.25), 0) is None  # (no bound)
+    fix = reported(Correction(), EngineSample(0, 3, 0.5), LLAMA_8B_1XH100, 500.0, named=True)
+    half = 0.5 * LLAMA_8B_1XH100.kv_tokens
+    assert fix.reported == Reported(half, half, 3)
+    # not named: where it goes is not known, so not this replica's
+    assert reported(Correction(), EngineSample(0, 3, 0.5), LLAMA_8B_1XH100, 500.0,
+                    named=False).reported is None
+    samples = [(100.0, EngineSample(2, 4, 0.5, kv_blocks=(1000, 16))),
+               (100.0, EngineSample(1, 4, 0.9, kv_blocks=(2000, 16)))]
+    got = aggregate(samples, 2, 100.0, max_age_s=5.0, min_coverage=0.5)
+    assert got.kv_reported() == Reported(pytest.approx(0.1 * 16_000),
+                                         pytest.approx(0.5 * 16_000), 6)
+    assert aggregate(samples[:1], 2, 100.0, max_age_s=5.0,
+                     min_coverage=0.9).kv_reported() is None  # (stale)
+    assert PoolStats(0, 4, None, None, targets=1, fresh=1, stale=False).kv_reported() is None
 
 
 def test_a_page_without_engine_metrics_is_a_failure_not_zeros() -> None:

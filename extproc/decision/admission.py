@@ -25,7 +25,13 @@ and the pool's traffic has a mean prompt ``P̄`` and mean output ``Ō`` (context
                                                           limit, or what its KV cache holds
                                                           of sequences of the mean footprint
                                                           ``f = (K + kv) / (n + s)`` of
-                                                          those in flight and this one's
+                                                          those in flight and this one's;
+                                                          but where the engines report
+                                                          their caches (below), at least
+               >= (n + s) / R   if it fits the fullest   all of them, spread over the
+                                                          replicas, or none, by what they
+               = 0              if its prompt does not   report free (its place then at
+                                fit even the emptiest    least 1: it waits for memory)
     position p = n + min(s, S) - R x S                     its place in the engines' queues
     batch    b = min(S, (p + R x S) / R)                   running sequences per replica
     step       = itl(b, C̄) + (b / Ō) x prefill(P̄)          a decode step, plus the prefill of
@@ -72,6 +78,21 @@ queue for memory (``KV_CACHE``): vLLM takes a waiting request in as soon as its 
 blocks are free, and when the batch's sequences then grow into the blocks it took, it preempts
 the newest and recomputes it later; a queue that waits for memory makes the engine thrash.
 Queueing is for slots (``max_num_seqs``), where a waiting request holds nothing.
+But a mean says how many requests of the mean's size fit, not whether this one does: beside
+35,000-token documents a replica holds five whole slots of the mean, and a 1,500-token prompt
+would wait for memory while a third of the cache is free; and the ledger's footprints are
+estimates (a shared prefix the engine caches once, answers shorter or longer than held).
+Where the engines' KV usage is scraped (``Capacity.reported``: the replica an endpoint picker
+named, else the fullest and the emptiest fresh replica), the cache they report free decides,
+less what the requests running or waiting there will still write (each what a request in
+flight holds of its answer, as ``Cost.kv`` counts it) and the prompts admitted but not
+prefilled yet (``U``): a request whose own footprint fits that
+on the fullest replica, and fits a replica's share of what the ledger leaves free
+(``kv_tokens - K / R``), has the slots it needs; one whose prompt does not fit even the
+emptiest replica's free cache after ``U`` waits for memory (``Capacity.fits_reported``): vLLM
+needs a prompt's blocks to prefill it, while an answer's grow as it is written, and a batch
+that outgrows its cache preempts (work redone) rather than refuses. Between the two, or
+unscraped, the mean's slots stand.
 
 A request of ``s`` sequences (``Cost.sequences``) is ``s`` requests to the engine but for its
 prompt: vLLM prefills it once and forks it, and each choice then takes a slot, holds its
@@ -246,6 +267,17 @@ class Mix:
 
 
 @dataclass(frozen=True, slots=True)
+class Reported:
+    """What the engines last reported of the KV cache where a request may go: the tokens
+    free on the fullest and on the freest replica (the same, for the replica an endpoint
+    picker named), and the requests one runs or holds waiting, whose answers write more."""
+
+    least_free: float
+    most_free: float
+    requests: int
+
+
+@dataclass(frozen=True, slots=True)
 class Capacity:
     """Ready replicas of a pool, the engine each one is, and the traffic they serve."""
 
@@ -254,6 +286,7 @@ class Capacity:
     mix: Mix = field(default_factory=Mix)
     wait_quantile: float = 0.97  # how sure the predicted wait must be (see the docstring)
     headroom: float = 0.0  # slots held back for interactive demand (batch requests only)
+    reported: Reported | None = None  # where it goes, as last scraped (None: not scraped)
     wait_z: float = field(init=False, repr=False, compare=False)  # its normal quantile
 
     def __post_init__(self) -> None:
@@ -266,7 +299,9 @@ class Capacity:
 
     def batch_with(self, snapshot: Snapshot, cost: Cost) -> int:
         """``S`` for this decision: ``max_num_seqs``, or what a replica's KV cache holds of
-        sequences the size of those in flight, this request included (docstring)."""
+        sequences the size of those in flight, this request included; at least those,
+        spread over the replicas, where it fits what the engines report free, and none
+        where not even its prompt does (docstring)."""
         e = self.engine
         if not e.kv_tokens:
             return e.max_num_seqs
@@ -274,7 +309,33 @@ class Capacity:
         if n and not held:  # a ledger that does not keep KV tokens: the learned mix
             held = round(n * (self.mix.prompt_tokens + self.mix.output_tokens))
         footprint = (held + cost.kv) / (n + cost.sequences)
-        return max(1, min(e.max_num_seqs, int(e.kv_tokens / footprint)))
+        batch = max(1, min(e.max_num_seqs, int(e.kv_tokens / footprint)))
+        fits = self.fits_reported(snapshot, cost, held)
+        if fits:  # all of them, spread over the replicas
+            batch = max(batch, min(e.max_num_seqs, math.ceil((n + cost.sequences)
+                                                             / self.replicas)))
+        return 0 if fits is False else batch
+
+    def fits_reported(self, snapshot: Snapshot, cost: Cost, held: float) -> bool | None:
+        """What the KV cache the engines reported free where it may go says of this request
+        (docstring): True if its own footprint fits the fullest replica's, less what the
+        answers running or waiting there will still write and the prompts admitted but not
+        prefilled yet (``U``), and fits a replica's share of what
+        the ledger leaves free; False if not even its prompt fits the emptiest replica's
+        after ``U`` (vLLM needs a prompt's blocks to prefill it); None: not reported, or
+        between (the mean footprint's slots decide)."""
+        r = self.reported
+        if r is None or self.replicas <= 0:
+            return None
+        # each request there will still write what a request in flight holds of its answer
+        # (``Cost.kv``: the long ones are in flight more often than arrivals are)
+        growth = (cost.kv - cost.prompt_tokens) / cost.sequences
+        pending = r.requests * growth + snapshot.prefill_tokens
+        if cost.kv <= min(r.least_free - pending, self.engine.kv_tokens - held / self.replicas):
+            return True
+        if cost.prompt_tokens > r.most_free - snapshot.prefill_tokens:
+            return False
+        return None
 
     @property
     def slots(self) -> int:
@@ -443,6 +504,8 @@ def decide(cost: Cost, snapshot: Snapshot, capacity: Capacity, policy: Policy,
     n = snapshot.inflight
     mean_ms = snapshot.outstanding_ms / n if n else charge
     position = _with_it(n, cost, per_replica) - replicas * per_replica
+    if per_replica == 0:  # its prompt fits no replica's reported free cache (docstring)
+        position = max(position, 1)
     batch = min(float(per_replica), _with_it(n, cost, per_replica) / replicas)
     if position > 0 and per_replica < capacity.engine.max_num_seqs:
         # The batch is bound by KV memory, not by slots: it would wait for memory (docstring).

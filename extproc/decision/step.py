@@ -73,7 +73,7 @@ from extproc.decision.level import Replica, measured, waiting_for_room
 from extproc.decision.running import Running
 from extproc.decision.share import priority_group, tenant_group
 from extproc.errors import BadRequest, RequestError
-from extproc.fleet.enginestats import Correction
+from extproc.fleet.enginestats import Correction, kv_reported
 
 if TYPE_CHECKING:
     from extproc.decision.learning import PoolLearning
@@ -95,6 +95,8 @@ def reported(fix: Correction, sample: EngineSample | None, engine: EngineModel,
     both build the step's correction here."""
     if sample is None:
         return fix
+    if named and (kv := kv_reported(sample, engine.kv_tokens)) is not None:
+        fix = dataclasses.replace(fix, reported=kv)
     if sample.waiting > 0:
         room = waiting_for_room(sample, engine.max_num_seqs, engine.kv_tokens, need_tokens)
         return dataclasses.replace(fix, queued=room, prefilling=sample.waiting - room)
@@ -309,6 +311,7 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
     rate = prefill_rate(capacity, snapshot.inflight) * share  # this gateway's backlog's drain
     snapshot = dataclasses.replace(correction.apply(snapshot),
                                    prefill_tokens=learning.backlog.level(now, rate) / share)
+    capacity = dataclasses.replace(capacity, reported=correction.reported)
     decision = decide(cost, snapshot, capacity, policy, now)
     if _replica(correction) is Replica.QUEUED:
         decision = _behind_queue(decision, correction, snapshot, policy, capacity)

@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.decision.admission import Snapshot
+from extproc.decision.admission import Reported, Snapshot
 from extproc.fleet.capacity import cancel_all
 
 if TYPE_CHECKING:
@@ -134,10 +134,22 @@ class PoolStats:
     fresh: int  # replicas with a sample younger than max_age_s
     stale: bool  # too few fresh samples to trust the sums
     kv_blocks: tuple[int, int] | None = None  # the smallest replica's (blocks, block size)
+    kv_usage_min: float | None = None  # the emptiest replica
 
     @property
     def total(self) -> int:
         return self.waiting + self.running
+
+    def kv_reported(self) -> Reported | None:
+        """The KV cache free on the fullest and on the emptiest fresh replica (their usage
+        of the smallest replica's cache), beside a replica's mean of requests; None: not
+        reported."""
+        if (self.stale or self.kv_usage_max is None or self.kv_usage_min is None
+                or self.kv_blocks is None):
+            return None
+        tokens = self.kv_blocks[0] * self.kv_blocks[1]
+        return Reported((1.0 - self.kv_usage_max) * tokens, (1.0 - self.kv_usage_min) * tokens,
+                        math.ceil(self.total / max(1, self.fresh)))
 
 
 def address(target: str) -> str:
@@ -261,7 +273,8 @@ def aggregate(samples: Iterable[tuple[float, EngineSample]], targets: int, now: 
         kv_usage_max=max(kvs) if kvs else None,
         kv_usage_mean=sum(kvs) / len(kvs) if kvs else None,
         targets=targets, fresh=len(fresh), stale=stale,
-        kv_blocks=min(blocks, key=lambda b: b[0] * b[1]) if blocks else None)
+        kv_blocks=min(blocks, key=lambda b: b[0] * b[1]) if blocks else None,
+        kv_usage_min=min(kvs) if kvs else None)
 
 
 @dataclass(frozen=True)
@@ -273,6 +286,8 @@ class Correction:
     idle: bool = False  # the request's own replica has nothing to do (module docstring)
     queued: int = 0  # ... or holds this many waiting for a slot or KV memory (docstring) ...
     prefilling: int = 0  # ... or this many waiting for compute: their prompts first
+    # The KV cache where it may go, as last reported: the named replica's, else the fresh ones'
+    reported: Reported | None = None
 
     def apply(self, snapshot: Snapshot) -> Snapshot:
         if not self.extra_inflight:
@@ -292,6 +307,18 @@ def correction(ledger: Snapshot, engines: PoolStats | None, *, fallback_request_
         return Correction()
     cost = ledger.outstanding_ms / ledger.inflight if ledger.inflight else fallback_request_ms
     return Correction(extra, extra * cost)
+
+
+def kv_reported(sample: EngineSample, kv_tokens: int) -> Reported | None:
+    """What one replica's engine (one scrape's ``sample``) reported of its KV cache: the
+    tokens free of its own cache if it reported its size, else of ``kv_tokens``; None: no
+    usage reported or no bound."""
+    if sample.kv_blocks is not None:
+        kv_tokens = sample.kv_blocks[0] * sample.kv_blocks[1]
+    if sample.kv_usage is None or kv_tokens <= 0:
+        return None
+    free = (1.0 - sample.kv_usage) * kv_tokens
+    return Reported(free, free, sample.running + sample.waiting)
 
 
 def with_reported_kv(pool: Pool, engines: PoolStats | None,

@@ -329,6 +329,7 @@ class Gate:
                                                                     mix.output_tokens),
                          tolerance=settings.tolerance, slack=settings.slack)
         self.metrics.engine_correction.labels(pool.name).set(fix.extra_inflight)
+        fix = dataclasses.replace(fix, reported=engines.kv_reported())
         stats = self.engines.get(pool.name)
         if stats is None:
             return fix
