@@ -269,7 +269,7 @@ class Mix:
 @dataclass(frozen=True, slots=True)
 class Reported:
     """What the engines last reported of the KV cache where a request may go: the tokens
-    free on the fullest and on the freest replica (the same, for the replica an endpoint
+    free on the fullest and on the emptiest replica (the same, for the replica an endpoint
     picker named), and the requests one runs or holds waiting, whose answers write more."""
 
     least_free: float

@@ -64,6 +64,7 @@ from extproc.decision.admission import (
     Outcome,
     Policy,
     Reason,
+    Reported,
     Snapshot,
     decide,
     release_quantile,
@@ -259,10 +260,11 @@ def cost_of(ask: Ask, pool: Pool, learning: PoolLearning) -> Cost:
 
 
 def capacity_for(pool: Pool, replicas: int, learning: PoolLearning,
-                 headroom: float = 0.0) -> Capacity:
-    """What ``decide`` sees of the pool: its replicas, their engine, the learned mix."""
+                 headroom: float = 0.0, reported: Reported | None = None) -> Capacity:
+    """What ``decide`` sees of the pool: its replicas, their engine, the learned mix, and the
+    KV cache its engines last reported free where the request may go."""
     return Capacity(replicas=replicas, engine=pool.engine, mix=learning.mix(),
-                    wait_quantile=pool.wait_quantile, headroom=headroom)
+                    wait_quantile=pool.wait_quantile, headroom=headroom, reported=reported)
 
 
 def prefill_rate(capacity: Capacity, inflight: int) -> float:
@@ -301,7 +303,8 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
                          error=too_long)
 
     capacity = capacity_for(pool, replicas, learning,
-                            learning.headroom(rules, now) if policy.batch else 0.0)
+                            learning.headroom(rules, now) if policy.batch else 0.0,
+                            correction.reported)
     cost = _shown(cost, learning.shown.least(ask.fingerprint), capacity, policy)
     # The prefill backlog is this gateway's; behind several gateways it is the share of the
     # ledger's requests this one holds: the fleet's is that scaled up, draining at the
@@ -311,7 +314,6 @@ def admit(ask: Ask, pool: Pool, rules: Rules, learning: PoolLearning, snapshot: 
     rate = prefill_rate(capacity, snapshot.inflight) * share  # this gateway's backlog's drain
     snapshot = dataclasses.replace(correction.apply(snapshot),
                                    prefill_tokens=learning.backlog.level(now, rate) / share)
-    capacity = dataclasses.replace(capacity, reported=correction.reported)
     decision = decide(cost, snapshot, capacity, policy, now)
     if _replica(correction) is Replica.QUEUED:
         decision = _behind_queue(decision, correction, snapshot, policy, capacity)

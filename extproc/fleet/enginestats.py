@@ -147,9 +147,18 @@ class PoolStats:
         if (self.stale or self.kv_usage_max is None or self.kv_usage_min is None
                 or self.kv_blocks is None):
             return None
-        tokens = self.kv_blocks[0] * self.kv_blocks[1]
-        return Reported((1.0 - self.kv_usage_max) * tokens, (1.0 - self.kv_usage_min) * tokens,
-                        math.ceil(self.total / max(1, self.fresh)))
+        return kv_between(self.kv_usage_max, self.kv_usage_min,
+                          self.kv_blocks[0] * self.kv_blocks[1], self.total, self.fresh)
+
+
+def kv_between(fullest: float, emptiest: float, kv_tokens: int, requests: int,
+               replicas: int) -> Reported:
+    """What replicas of ``kv_tokens`` each report of their KV caches: the tokens free on the
+    fullest (its usage ``fullest``, 0..1) and on the emptiest, beside a replica's mean of the
+    ``requests`` they run or hold waiting (``PoolStats.kv_reported``, and the simulator's
+    scrape)."""
+    return Reported((1.0 - fullest) * kv_tokens, (1.0 - emptiest) * kv_tokens,
+                    math.ceil(requests / max(1, replicas)))
 
 
 def address(target: str) -> str:

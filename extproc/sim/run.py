@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from extproc.config import TenantSource
-from extproc.decision.admission import Outcome, Policy, Reason, Reported, Snapshot
+from extproc.decision.admission import Outcome, Policy, Reason, Snapshot
 from extproc.decision.defer import DEFERRABLE, Queue, Refused, Waiter, enter
 from extproc.decision.learning import PoolLearning
 from extproc.decision.lengths import Prior, decay_factor
@@ -56,7 +56,7 @@ from extproc.decision.step import (
     reported,
     running_of,
 )
-from extproc.fleet.enginestats import Correction, EngineSample
+from extproc.fleet.enginestats import Correction, EngineSample, kv_between
 from extproc.gateway.retry import retry_delay_ms
 from extproc.ledger import Entry
 from extproc.ledger.memory import LedgerCore
@@ -349,7 +349,9 @@ class Simulation:
                      and self._view_at > self._sent_at.get(id(routed), -INF))
             fix, e = NO_CORRECTION, self.scenario.engine
             if self.scenario.engines_scraped and e.num_gpu_blocks and view.kv_usage:
-                fix = Correction(reported=self._kv_reported(view))  # as the gate's PoolStats
+                fix = Correction(reported=kv_between(  # as the gate's PoolStats.kv_reported
+                    max(view.kv_usage), min(view.kv_usage), e.kv_tokens,
+                    sum(view.waiting) + sum(view.running), len(view.running)))
             if fresh:  # (the mix is read only for a report: this runs at every decision)
                 mix = learning.mix()
                 sample = EngineSample(view.waiting[i], view.running[i],
@@ -481,14 +483,6 @@ class Simulation:
             (EngineSample(len(r.sched.waiting), len(r.sched.running),
                           r.sched.kv_used_blocks / e.num_gpu_blocks if e.num_gpu_blocks else None)
              for r in self.ready), e, now)
-
-    def _kv_reported(self, view: EngineView) -> Reported:
-        """What ``PoolStats.kv_reported`` reads of the engines' last scrape: the KV cache
-        free on the fullest and on the emptiest replica, beside a replica's mean of
-        requests."""
-        tokens, requests = self.scenario.engine.kv_tokens, sum(view.waiting) + sum(view.running)
-        return Reported((1.0 - max(view.kv_usage)) * tokens, (1.0 - min(view.kv_usage)) * tokens,
-                        math.ceil(requests / len(view.running)))
 
     def _engine_view(self, now: float) -> EngineView:
         """The engines' metrics as last scraped: refreshed at a decision once 50 ms old (a
