@@ -71,6 +71,10 @@ The invariants (``docs/admission.md``):
   only: counted wherever, bimodal's tail misses at every load cut the level where a back-off
   cannot help. The way up stays the top's: a completion below it raises nothing (climbing on
   what never tested it, the level overshot a steady tenant's share: docs/admission.md).
+  The weight that decides it reads every request the level answers for (the top's and its
+  own below it), not only those it let count: read from those alone it froze, just under 1,
+  wherever nothing reached the top again (azure-code/70b-16 1.5x: from the first minute on,
+  3,375 of the level's own admissions unread, 5.4 % of them missed).
 - **Unavoidable misses never tighten.** The baseline is the miss rate measured at low load
   (requests admitted while a replica had nothing to do), with the model's chance of
   missing even alone (``extproc.decision.step.unavoidable``) as its prior for ``PRIOR_REQUESTS``
@@ -129,8 +133,9 @@ class Level:
     _top: float = 0.0  # resolutions at the top since the last back-off, decayed
     _top_missed: float = 0.0
     _top_allowed: float = 0.0  # ... and the misses the baseline allows them
-    # Decayed per top resolution, never reset by a back-off (``weight``): the shares of their
-    # deadlines the top's hits used, summed; those hits; and the top's misses.
+    # Decayed per resolution the level answers for (the top's, and its own admissions below
+    # it), never reset by a back-off (``weight``): the shares of their deadlines its hits
+    # used, summed; those hits; and its misses.
     _used: float = 0.0
     _hits: float = 0.0
     _misses: float = 0.0
@@ -144,9 +149,10 @@ class Level:
     @property
     def weight(self) -> float:
         """What a miss at the top counts (module docstring, "A tail is not a slow pool"): the
-        mean share of their deadlines the top's hits used, over ``SLOW_SHARE``, at most 1; 1
-        before any hit, and while the top misses as often as it hits (a pool that misses most
-        of what it serves is slow, whatever its few hits say)."""
+        mean share of their deadlines the hits the level answers for used (the top's, and its
+        own admissions below it), over ``SLOW_SHARE``, at most 1; 1 before any hit, and while
+        they miss as often as they hit (a pool that misses most of what it serves is slow,
+        whatever its few hits say)."""
         if self._hits <= 0.0 or self._misses >= self._hits:
             return 1.0
         return min(1.0, self._used / self._hits / SLOW_SHARE)
@@ -174,18 +180,21 @@ class Level:
         if alone:
             self._low += 1.0
             self._low_missed += 1.0 if missed else 0.0
-        if at_ms < FRONTIER * level_ms and not (measured and self.weight >= 1.0):
-            return  # below the top: the model's admission, or any beside fast hits
+        top = at_ms >= FRONTIER * level_ms
+        if not (top or measured):
+            return  # below the top, the model's admission: the promise's
+        share = None if missed else used  # a hit's share of its deadline, if known
+        self._used = self._used * MEMORY + (share or 0.0)
+        self._hits = self._hits * MEMORY + (0.0 if share is None else 1.0)
+        self._misses = self._misses * MEMORY + (1.0 if missed else 0.0)
+        if not top and self.weight < 1.0:
+            return  # the level's own below its top, beside fast hits
         if at_ms > self.level_ms:
             return  # admitted above where a back-off has put the level since: not its evidence
         self._since += 1
         if self._since >= CLEAN:
             self.probing = True
         self._top = self._top * MEMORY + 1.0
-        share = None if missed else used  # a hit's share of its deadline, if known
-        self._used = self._used * MEMORY + (share or 0.0)
-        self._hits = self._hits * MEMORY + (0.0 if share is None else 1.0)
-        self._misses = self._misses * MEMORY + (1.0 if missed else 0.0)
         self._top_missed = self._top_missed * MEMORY + (self.weight if missed else 0.0)
         base = self.baseline
         self._top_allowed = self._top_allowed * MEMORY + base + (1.0 - base) * (1.0 - self.target)
