@@ -236,11 +236,8 @@ def waits_for_compute(sample: EngineSample, max_num_seqs: int, kv_tokens: int,
     (0: not bounded), the engine's own report when it made one; no KV usage reported: room."""
     if sample.waiting <= 0 or sample.running >= max_num_seqs:
         return False
-    if sample.kv_blocks is not None:
-        kv_tokens = sample.kv_blocks[0] * sample.kv_blocks[1]
-    if sample.kv_usage is None or kv_tokens <= 0:
-        return True
-    return (1.0 - sample.kv_usage) * kv_tokens >= need_tokens
+    free = sample.kv_free(kv_tokens)
+    return free is None or free >= need_tokens
 
 
 def waiting_for_room(sample: EngineSample, max_num_seqs: int, kv_tokens: int,

@@ -121,6 +121,16 @@ class EngineSample:
     ttft: Timing | None = None  # vLLM's first-token times, cumulative; TGI: None
     itl: Timing | None = None  # ... and inter-token latencies
 
+    def kv_free(self, kv_tokens: int) -> float | None:
+        """The KV cache tokens free on this replica: of its own cache where it reported the
+        cache's size, else of ``kv_tokens`` (the configured one); None: no usage reported,
+        or no bound."""
+        if self.kv_blocks is not None:
+            kv_tokens = self.kv_blocks[0] * self.kv_blocks[1]
+        if self.kv_usage is None or kv_tokens <= 0:
+            return None
+        return (1.0 - self.kv_usage) * kv_tokens
+
 
 @dataclass(frozen=True)
 class PoolStats:
@@ -321,13 +331,9 @@ def correction(ledger: Snapshot, engines: PoolStats | None, *, fallback_request_
 def kv_reported(sample: EngineSample, kv_tokens: int) -> Reported | None:
     """What one replica's engine (one scrape's ``sample``) reported of its KV cache: the
     tokens free of its own cache if it reported its size, else of ``kv_tokens``; None: no
-    usage reported or no bound."""
-    if sample.kv_blocks is not None:
-        kv_tokens = sample.kv_blocks[0] * sample.kv_blocks[1]
-    if sample.kv_usage is None or kv_tokens <= 0:
-        return None
-    free = (1.0 - sample.kv_usage) * kv_tokens
-    return Reported(free, free, sample.running + sample.waiting)
+    usage reported or no bound (``EngineSample.kv_free``)."""
+    free = sample.kv_free(kv_tokens)
+    return None if free is None else Reported(free, free, sample.running + sample.waiting)
 
 
 def with_reported_kv(pool: Pool, engines: PoolStats | None,
