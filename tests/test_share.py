@@ -10,8 +10,8 @@ import pytest
 
 from extproc import config as config_mod
 from extproc.config import TenantConfig
-from extproc.decision.admission import Outcome, Reason, Snapshot
-from extproc.decision.contention import _kept
+from extproc.decision.admission import Capacity, Decision, Mix, Outcome, Reason, Snapshot
+from extproc.decision.contention import Scene, _kept, _under_their_share
 from extproc.decision.learning import learning_for
 from extproc.decision.rules import Rules
 from extproc.decision.running import Running
@@ -168,6 +168,34 @@ def test_no_room_is_kept_for_a_priority_there_is_no_evidence_of() -> None:
     assert _kept(["p:1"], horizon, learning, snapshot, 21, 20.0, 1.0, 720.0) >= 40
 
 
+def test_a_tenant_s_demand_is_its_arrivals_at_the_pool_s_pace_now() -> None:
+    """A tenant's requests took a second each while the pool was quiet; its neighbour's burst
+    has since slowed every request to ~10 s. Counted at the durations its ended requests
+    showed, the steady tenant (10 a second) needs 10 places, so the burst's next request,
+    its 51st of a 64-place room, reads within its share and the steady tenant's arrivals
+    find the cache full (before: on 8b-vllm at 0.8x it kept 0.86x of its goodput alone).
+    Counted at the pace a typical request runs at now, it needs ~100: the burst is over its
+    half and must leave the steady tenant room."""
+    config = settings()
+    rules, learning = Rules.of(config), learning_for(config.pools[0])
+    for i in range(600):
+        learning.flow("t:a").arrived(i * 0.1)
+        learning.flow("t:a").served(1.0, i * 0.1)
+    mean_ms = 1500.0
+    snapshot = Snapshot(60, 60 * mean_ms, groups={"t:a": (10, 10 * mean_ms),
+                                                  "t:b": (50, 50 * mean_ms)})
+    capacity = Capacity(replicas=4, mix=Mix(prompt_tokens=500.0, output_tokens=300.0))
+    scene = Scene(rules, learning, snapshot, capacity, share=1.0, now=60.0)
+
+    def next_of_b(ttft_ms: float, step_ms: float) -> list[str] | None:
+        decision = Decision(Outcome.ADMIT, Reason.FITS, mean_ms, 0.0, ttft_ms,
+                            ttft_ms + 300 * step_ms, 30_000.0, 60.0, step_ms=step_ms)
+        return _under_their_share("b", decision, scene, 64 * mean_ms, mean_ms)
+
+    assert next_of_b(ttft_ms=100.0, step_ms=2.0) is None  # quiet: 0.7 s a request
+    assert next_of_b(ttft_ms=1000.0, step_ms=30.0) == ["t:a"]  # now: 10 s a request
+
+
 def test_a_tenant_at_its_cap_is_refused_on_the_snapshot_and_the_cap_goes_to_the_ledger() -> None:
     config = settings(tenants={"acme": {"max_inflight": 3, "max_outstanding_s": 100}})
     pool, rules = config.pools[0], Rules.of(config)
@@ -187,10 +215,16 @@ def test_a_tenant_at_its_cap_is_refused_on_the_snapshot_and_the_cap_goes_to_the_
 
 # --- simulated traffic -------------------------------------------------------------------------
 
-def noisy(fleet: str, load: float) -> tuple[float, float, float, float]:
+def noisy(fleet: str, load: float, seeds: int = 1) -> tuple[float, float, float, float]:
     """(A's goodput during B's burst / A's alone, A's attainment, B's goodput with tenants /
-    without, total goodput with fair shares / without)."""
-    drawn = draw("noisy-neighbour", 0, load, fleet, 0.5)
+    without, total goodput with fair shares / without), each the mean over ``seeds``."""
+    runs = [_noisy(fleet, load, seed) for seed in range(seeds)]
+    a, b, c, d = (sum(column) / seeds for column in zip(*runs, strict=True))
+    return a, b, c, d
+
+
+def _noisy(fleet: str, load: float, seed: int) -> tuple[float, float, float, float]:
+    drawn = draw("noisy-neighbour", seed, load, fleet, 0.5)
     sc, p = drawn.scenario, drawn.params
     start, end = float(p["burst_from_s"]), float(p["burst_to_s"])
     plain_config = dataclasses.replace(sc.config, tenant=TenantConfig())
@@ -208,11 +242,15 @@ def noisy(fleet: str, load: float) -> tuple[float, float, float, float]:
 
 
 NOISY_GAPS = {  # measured: A's goodput during the burst / alone
-    ("8b-vllm", 1.5): "A keeps 0.66x: on a 1024-sequence fleet the deadline bounds the batch,"
+    ("8b-vllm", 1.5): "A keeps 0.94x: on a 1024-sequence fleet the deadline bounds the batch,"
                       " and the limit it sets swings with the learned prompt mean",
-    ("70b-vllm", 1.5): "A keeps 0.96x, at 95.2% attainment on this half-length run (KV- and"
+    ("70b-vllm", 1.5): "A keeps 0.90x, at 93.9% attainment on this half-length run (KV- and"
                        " deadline-bound)",
 }
+# The 16-slot fleet at 3x: A alone fills the fleet, so its count during a half-length burst
+# swings from seed to seed (0.935-1.048 of alone on seeds 0-5 before A's demand was read at
+# the pool's pace now, 0.917-1.069 after): that cell is read as the mean of six.
+NOISY_SEEDS = {("70b-16", 3.0): 6}
 
 
 @pytest.mark.slow
@@ -223,7 +261,7 @@ def test_a_steady_tenant_keeps_its_goodput_through_a_neighbour_s_burst(
         fleet: str, load: float, request: pytest.FixtureRequest) -> None:
     if (gap := NOISY_GAPS.get((fleet, load))) is not None:
         request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
-    kept, attainment, conserving, total = noisy(fleet, load)
+    kept, attainment, conserving, total = noisy(fleet, load, NOISY_SEEDS.get((fleet, load), 1))
     assert conserving >= 0.98  # alone, B uses the whole fleet, tenants or not
     assert total >= 0.95  # fairness costs the pool little
     assert attainment >= 0.99

@@ -163,16 +163,22 @@ def _under_their_share(tenant: str, decision: Decision, scene: Scene, room: floa
     """None when ``tenant`` is within its weighted max-min share of ``room``, the work tenants
     share (``room_for_others``; requests of ``mean_ms`` each); otherwise the groups of
     the other tenants holding less than theirs, whose expected arrivals it must leave room
-    for. A tenant's demand is its
-    outstanding work, or what its arrivals keep in flight (Little's law), whichever is more:
-    a tenant crowded out still wants its share."""
+    for. A tenant's demand is its outstanding work, or what its arrivals keep in flight
+    (Little's law), whichever is more: a tenant crowded out still wants its share. Its
+    arrivals stay in flight as long as its requests took, or as long as a typical request
+    takes now (this decision's first token, then the pool's mean answer at its step),
+    whichever is longer: what a tenant's requests took is known only once they end, too late
+    in a burst that slows everyone's (docs/admission.md, "A tenant's demand at the pool's
+    pace now")."""
     learning, snapshot, share, now = scene.learning, scene.snapshot, scene.share, scene.now
     weights = scene.rules.tenant.policy
     demands = {t: (work, weights(t).weight) for g, (_, work) in snapshot.groups.items()
                if (t := tenant_of(g)) is not None}
+    typical_s = (decision.ttft_ms
+                 + scene.capacity.mix.output_tokens * decision.step_ms) / 1000.0
     for g, flow in learning.flows.items():
         if (t := tenant_of(g)) is not None:
-            steady = flow.rate(now) / share * flow.duration_s * mean_ms
+            steady = flow.rate(now) / share * max(flow.duration_s, typical_s) * mean_ms
             demands[t] = (max(demands.get(t, (0.0, 0.0))[0], steady), weights(t).weight)
     _, mine = snapshot.groups.get(tenant_group(tenant), (0, 0.0))
     demands[tenant] = (mine + decision.charge_ms, weights(tenant).weight)
