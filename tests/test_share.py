@@ -188,8 +188,9 @@ def test_a_tenant_s_demand_is_its_arrivals_at_the_pool_s_pace_now() -> None:
     scene = Scene(rules, learning, snapshot, capacity, share=1.0, now=60.0)
 
     def next_of_b(ttft_ms: float, step_ms: float) -> list[str] | None:
-        decision = Decision(Outcome.ADMIT, Reason.FITS, mean_ms, 0.0, ttft_ms,
-                            ttft_ms + 300 * step_ms, 30_000.0, 60.0, step_ms=step_ms)
+        decision = Decision(Outcome.ADMIT, Reason.FITS, charge_ms=mean_ms, wait_ms=0.0,
+                            ttft_ms=ttft_ms, completion_ms=ttft_ms + 300 * step_ms,
+                            budget_ms=30_000.0, finish_at=60.0, step_ms=step_ms)
         return _under_their_share("b", decision, scene, 64 * mean_ms, mean_ms)
 
     assert next_of_b(ttft_ms=100.0, step_ms=2.0) is None  # quiet: 0.7 s a request
